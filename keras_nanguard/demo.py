@@ -1,0 +1,195 @@
+"""The demo: the same model trained with and without keras-nanguard, side by side.
+
+Run it with `python -m keras_nanguard.demo` (or `keras-nanguard-demo`). On data
+made in code, one small classifier is trained three times from the same
+initial weights:
+
+- plain `RMSprop`, with two faults injected: one sample of batch 7 is NaN in
+  every epoch (a corrupted record), and the learning rate is `inf` for three
+  steps (a warm-up schedule dividing by zero);
+- `SafeOptimizer(RMSprop)`, with the same faults;
+- plain `RMSprop` without faults, as the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _data(seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0.0, 2.0, size=(4, 20))
+    labels = rng.integers(0, 4, size=5000)
+    x = centers[labels] + rng.normal(0.0, 2.5, size=(5000, 20))
+    x = x.astype("float32")
+    labels = labels.astype("int32")
+    return x[:4000], labels[:4000], x[4000:], labels[4000:]
+
+
+def _first_bad_weights_callback():
+    import keras
+
+    class FirstBadWeights(keras.callbacks.Callback):
+        """Records the first step after which some weight is NaN or inf."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.step = 0
+            self.first_bad: int | None = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first_bad is None and not all(
+                np.isfinite(keras.ops.convert_to_numpy(w)).all()
+                for w in self.model.weights
+            ):
+                self.first_bad = self.step
+            self.step += 1
+
+    return FirstBadWeights()
+
+
+def run(epochs: int = 3, batch_size: int = 64, verbose: bool = True) -> dict:
+    """Trains the three runs and returns their figures (also printed)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    import keras_nanguard as ng
+
+    x, y, x_test, y_test = _data()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    initial = model.get_weights()
+    steps_per_epoch = len(x) // batch_size
+    spike_steps = [40, 41, 42]
+
+    def train(kind: str) -> dict:
+        net = keras.models.clone_model(model)
+        net.set_weights(initial)
+        inner = keras.optimizers.RMSprop(1e-3)
+        opt = ng.SafeOptimizer(inner, clipnorm=1.0) if kind == "safe" else inner
+        net.compile(
+            optimizer=opt,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        watch = _first_bad_weights_callback()
+        callbacks = [watch]
+        bad_batches: list[int] = []
+        if kind != "reference":
+            bad_batches = [7]
+            callbacks.append(
+                ng.faults.LearningRateSpike(at_steps=spike_steps, factor=float("inf"))
+            )
+        data = ng.faults.PoisonedBatches(
+            x[: steps_per_epoch * batch_size],
+            y[: steps_per_epoch * batch_size],
+            batch_size=batch_size,
+            bad_batches=bad_batches,
+        )
+        start = time.perf_counter()
+        net.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
+        seconds = time.perf_counter() - start
+        loss, acc = net.evaluate(x_test, y_test, verbose=0)
+        out = {
+            "first_bad_weights": watch.first_bad,
+            "test_loss": float(loss),
+            "test_accuracy": float(acc),
+            "seconds": seconds,
+        }
+        if kind == "safe":
+            out.update(opt.counters())
+            out["last_rejection"] = opt.describe_last_rejection()
+        return out
+
+    results = {kind: train(kind) for kind in ("plain", "safe", "reference")}
+    if verbose:
+        _print(results, epochs, steps_per_epoch, spike_steps, keras.backend.backend())
+    return results
+
+
+def _print(results: dict, epochs: int, steps: int, spike: list[int], backend: str):
+    plain, safe, ref = results["plain"], results["safe"], results["reference"]
+
+    def step(s: int | None) -> str:
+        return "never" if s is None else f"step {s}"
+
+    def pct(a: float) -> str:
+        return f"{100 * a:.1f}%"
+
+    rows = [
+        (
+            "first non-finite weights",
+            step(plain["first_bad_weights"]),
+            step(safe["first_bad_weights"]),
+            step(ref["first_bad_weights"]),
+        ),
+        (
+            "steps rejected",
+            "-",
+            f"{safe['skipped_steps']} ({safe['nonfinite_gradient_steps']} NaN gradient, "
+            f"{safe['nonfinite_update_steps']} overflowing update)",
+            "-",
+        ),
+        (
+            "test loss",
+            f"{plain['test_loss']:.4g}",
+            f"{safe['test_loss']:.4g}",
+            f"{ref['test_loss']:.4g}",
+        ),
+        (
+            "test accuracy",
+            pct(plain["test_accuracy"]),
+            pct(safe["test_accuracy"]),
+            pct(ref["test_accuracy"]),
+        ),
+        (
+            "training time (with compile)",
+            f"{plain['seconds']:.1f} s",
+            f"{safe['seconds']:.1f} s",
+            f"{ref['seconds']:.1f} s",
+        ),
+    ]
+    head = ("", "RMSprop + faults", "SafeOptimizer + faults", "RMSprop, no faults")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    print(f"keras-nanguard demo (Keras backend: {backend})")
+    print(
+        f"MLP 20-64-64-4 on 4,000 samples made in code, RMSprop(1e-3), {epochs} "
+        f"epochs of {steps} steps (steps counted from 0)."
+    )
+    print(
+        "Faults: a NaN sample in batch 7 of every epoch; learning rate = inf at "
+        f"steps {spike[0]}-{spike[-1]}.\n"
+    )
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(f"\nSafeOptimizer's last rejection: {safe['last_rejection']}.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be >= 1. Received: --epochs={args.epochs}")
+    results = run(epochs=args.epochs)
+    ok = (
+        results["plain"]["first_bad_weights"] is not None
+        and results["safe"]["first_bad_weights"] is None
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""Fault injection: put NaN/inf where training breaks, on purpose.
+
+For tests, notebooks and your own drills ("does my setup survive a NaN
+batch?"). Every helper works in `model.fit` and in custom loops, on all three
+backends:
+
+- `poison(x, ...)`: a copy of an array with NaN/inf written into some samples.
+- `PoisonedBatches(x, y, ...)`: a `keras.utils.PyDataset` in which chosen
+  batches are poisoned, in every epoch (a dataset with corrupted records).
+- `GradientFault(at_steps=...)`: an identity layer whose *backward* pass turns
+  the gradients of everything before it into NaN/inf at chosen steps, while
+  the forward pass (and so the loss) stays exactly as it was.
+- `corrupt_gradients(grads, ...)`: the same for a custom loop's gradient list.
+- `LearningRateSpike(at_steps=..., factor=...)`: a callback that multiplies
+  the learning rate for chosen steps (an overflowing update);
+  `learning_rate_spike(optimizer, factor)` is the context-manager form for
+  custom loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+_NAMED = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _fault_value(value: str | float, name: str = "value") -> float:
+    if isinstance(value, str):
+        if value.lower() not in _NAMED:
+            raise ValueError(
+                f"`{name}` must be 'nan', 'inf', '-inf' or a number. "
+                f"Received: {name}={value!r}"
+            )
+        return _NAMED[value.lower()]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"`{name}` must be 'nan', 'inf', '-inf' or a number. "
+            f"Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _steps(at_steps: Iterable[int] | int, name: str = "at_steps") -> tuple[int, ...]:
+    if isinstance(at_steps, int) and not isinstance(at_steps, bool):
+        at_steps = [at_steps]
+    try:
+        steps = tuple(at_steps)
+    except TypeError as err:
+        raise TypeError(
+            f"`{name}` must be an int or a list of ints >= 0. "
+            f"Received: {name}={at_steps!r}"
+        ) from err
+    if not all(
+        isinstance(s, int | np.integer) and not isinstance(s, bool) and s >= 0
+        for s in steps
+    ):
+        raise ValueError(
+            f"`{name}` must hold ints >= 0 (0-based training steps). "
+            f"Received: {name}={at_steps!r}"
+        )
+    return tuple(sorted({int(s) for s in steps}))
+
+
+def poison(
+    x: Any,
+    rows: Sequence[int] | int = 0,
+    value: str | float = "nan",
+    columns: Sequence[int] | int | None = 0,
+) -> np.ndarray:
+    """A copy of `x` with `value` written into some samples.
+
+    Args:
+        x: array-like, samples along the first axis.
+        rows: which samples to poison. Defaults to the first.
+        value: `"nan"`, `"inf"`, `"-inf"` or a number. Defaults to `"nan"`.
+        columns: which entries of each poisoned sample (indices into the
+            flattened sample); `None` poisons the whole sample. Defaults to
+            the first entry only.
+
+    Returns:
+        A float NumPy array; `x` is not modified.
+
+    Example:
+
+    >>> import numpy as np, keras_nanguard as ng
+    >>> ng.faults.poison(np.ones((3, 2)), rows=[1])
+    array([[ 1.,  1.],
+           [nan,  1.],
+           [ 1.,  1.]])
+    """
+    out = np.array(x, dtype=np.result_type(np.asarray(x).dtype, np.float32))
+    if out.ndim == 0:
+        raise ValueError(f"`x` must have a sample axis. Received: x.shape={out.shape}")
+    flat = out.reshape(out.shape[0], -1)
+    rows_ = [rows] if isinstance(rows, int) else list(rows)
+    bad = _fault_value(value)
+    if columns is None:
+        flat[rows_] = bad
+    else:
+        cols = [columns] if isinstance(columns, int) else list(columns)
+        flat[np.ix_(rows_, cols)] = bad
+    return flat.reshape(out.shape)
+
+
+class PoisonedBatches(keras.utils.PyDataset):
+    """Batches of `(x, y)` in which chosen batches are bad, in every epoch.
+
+    Like a dataset with a few corrupted records: batch `i` (0-based, within an
+    epoch) is poisoned each time it is served. A poisoned batch has `value` in
+    the first entry of its first `rows` samples, in `x`, `y` or both. (Keras
+    itself reads a batch or two ahead of an epoch to learn shapes, so a
+    dataset cannot count global steps reliably; for a one-off fault at a
+    given step use `GradientFault` or `LearningRateSpike`.)
+
+    Args:
+        x: inputs, a NumPy array.
+        y: targets, a NumPy array, or `None`.
+        batch_size: samples per batch. Defaults to 32.
+        bad_batches: 0-based batch indices to poison, or a mapping
+            `{batch: value}` for a different value per batch.
+        value: `"nan"`, `"inf"`, `"-inf"` or a number. Defaults to `"nan"`.
+        target: `"x"`, `"y"` or `"both"`. Defaults to `"x"`.
+        rows: how many samples of a poisoned batch are poisoned. Defaults to 1.
+        shuffle: shuffle the samples at the end of every epoch (with `seed`).
+            Defaults to `False`.
+        seed: seed for the shuffling. Defaults to 0.
+        **kwargs: passed to `keras.utils.PyDataset` (`workers`, ...).
+
+    Example:
+
+    >>> import numpy as np, keras_nanguard as ng
+    >>> ds = ng.faults.PoisonedBatches(np.ones((8, 2)), np.ones((8, 1)),
+    ...                                batch_size=4, bad_batches=[1])
+    >>> bool(np.isnan(ds[0][0]).any()), bool(np.isnan(ds[1][0]).any())
+    (False, True)
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        batch_size: int = 32,
+        bad_batches: Iterable[int] | Mapping[int, str | float] = (),
+        value: str | float = "nan",
+        target: str = "x",
+        rows: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if target not in ("x", "y", "both"):
+            raise ValueError(
+                f"`target` must be 'x', 'y' or 'both'. Received: target={target!r}"
+            )
+        if target != "x" and y is None:
+            raise ValueError(f"`target={target!r}` needs targets `y`. Received: y=None")
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int)
+            or batch_size < 1
+        ):
+            raise ValueError(
+                f"`batch_size` must be an int >= 1. Received: batch_size={batch_size!r}"
+            )
+        if (
+            isinstance(rows, bool)
+            or not isinstance(rows, int)
+            or not 1 <= rows <= batch_size
+        ):
+            raise ValueError(
+                f"`rows` must be an int in [1, batch_size]. Received: rows={rows!r}"
+            )
+        self.x = np.asarray(x)
+        self.y = None if y is None else np.asarray(y)
+        if self.y is not None and len(self.y) != len(self.x):
+            raise ValueError(
+                "`x` and `y` must have the same number of samples. Received: "
+                f"len(x)={len(self.x)}, len(y)={len(self.y)}"
+            )
+        self.batch_size = batch_size
+        if isinstance(bad_batches, Mapping):
+            values = {b: _fault_value(v) for b, v in bad_batches.items()}
+        else:
+            values = dict.fromkeys(bad_batches, _fault_value(value))
+        self.bad_batches = {b: values[b] for b in _steps(values, "bad_batches")}
+        if any(b >= len(self) for b in self.bad_batches):
+            raise ValueError(
+                f"`bad_batches` must be < the number of batches ({len(self)}). "
+                f"Received: bad_batches={sorted(self.bad_batches)}"
+            )
+        self.target = target
+        self.rows = rows
+        self.shuffle = shuffle
+        self._rng = np.random.default_rng(seed)
+        self._order = np.arange(len(self.x))
+        self._poisoned: set[int] = set()
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.x) / self.batch_size)
+
+    def __getitem__(self, index: int) -> tuple:
+        sel = self._order[index * self.batch_size : (index + 1) * self.batch_size]
+        x = self.x[sel]
+        y = None if self.y is None else self.y[sel]
+        if index in self.bad_batches:
+            rows = list(range(min(self.rows, len(sel))))
+            value = self.bad_batches[index]
+            if self.target in ("x", "both"):
+                x = poison(x, rows, value)
+            if self.target in ("y", "both"):
+                y = poison(y, rows, value)
+            self._poisoned.add(index)
+        return (x,) if y is None else (x, y)
+
+    @property
+    def poisoned(self) -> list[int]:
+        """The batch indices that have been served poisoned so far."""
+        return sorted(self._poisoned)
+
+    def on_epoch_end(self) -> None:
+        if self.shuffle:
+            self._rng.shuffle(self._order)
+
+
+@keras.saving.register_keras_serializable(package="keras_nanguard")
+class GradientFault(keras.layers.Layer):
+    r"""Identity layer whose backward pass yields NaN/inf at chosen steps.
+
+    The forward pass returns its input bit for bit, so the loss is unchanged;
+    at the chosen training calls the gradient flowing back through the layer
+    (and so the gradients of every weight before it) becomes NaN (`"nan"`) or
+    infinite (`"inf"`). It is the classic `sqrt(0)` fault: the layer adds
+    :math:`\sqrt{u} - \mathrm{stop\_gradient}(\sqrt{u})` with `u = 0` at a
+    faulty step. Steps are counted per training call of this layer (0-based);
+    calls with `training=False` are not counted and never faulty.
+
+    Args:
+        at_steps: int or list of ints, the faulty training steps.
+        value: `"nan"` or `"inf"`. Defaults to `"nan"`.
+
+    Example:
+
+    >>> import keras, keras_nanguard as ng
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+    ...                           ng.faults.GradientFault(at_steps=[2]),
+    ...                           keras.layers.Dense(1)])
+    """
+
+    def __init__(
+        self, at_steps: Iterable[int] | int, value: str = "nan", **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        if value not in ("nan", "inf"):
+            raise ValueError(
+                f"`value` must be 'nan' or 'inf'. Received: value={value!r}"
+            )
+        self.at_steps = _steps(at_steps)
+        self.value = value
+        self.calls = self.add_weight(
+            shape=(), dtype="int32", initializer="zeros", trainable=False, name="calls"
+        )
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        if not training or not self.at_steps:
+            return inputs
+        step = self.calls.value
+        self.calls.assign(step + 1)
+        faulty = ops.any(ops.equal(step, ops.convert_to_tensor(self.at_steps, "int32")))
+        if self.value == "nan":
+            probe = inputs * 0  # gradient 0 times an infinite sqrt' = NaN
+        else:
+            probe = inputs - ops.stop_gradient(inputs)  # gradient 1: inf
+        u = ops.where(faulty, probe, ops.ones_like(inputs))
+        root = ops.sqrt(u)
+        return inputs + (root - ops.stop_gradient(root))
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return input_shape
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update({"at_steps": list(self.at_steps), "value": self.value})
+        return config
+
+
+def corrupt_gradients(
+    grads: Sequence[Any], value: str | float = "nan", index: int = 0
+) -> list[Any]:
+    """A copy of a gradient list where `grads[index]` is filled with `value`.
+
+    For custom loops: `opt.apply(ng.faults.corrupt_gradients(grads), vars)`.
+
+    Example:
+
+    >>> from keras import ops
+    >>> import keras_nanguard as ng
+    >>> g = ng.faults.corrupt_gradients([ops.ones((2,)), ops.ones((1,))], "inf", 1)
+    >>> ops.convert_to_numpy(g[1]).tolist()
+    [inf]
+    """
+    bad = _fault_value(value)
+    grads = list(grads)
+    if not -len(grads) <= index < len(grads):
+        raise ValueError(
+            f"`index` must point into the {len(grads)} gradients. Received: index={index}"
+        )
+    g = grads[index]
+    grads[index] = ops.full(ops.shape(g), bad, dtype=g.dtype)
+    return grads
+
+
+def _settable_lr(optimizer: Any) -> Any:
+    lr = optimizer.learning_rate
+    if not isinstance(lr, keras.Variable):
+        raise ValueError(
+            "A learning-rate spike needs an optimizer with a float learning rate, "
+            f"not a schedule or a callable. Received: learning_rate={lr!r}"
+        )
+    return lr
+
+
+@contextlib.contextmanager
+def learning_rate_spike(optimizer: Any, factor: float) -> Iterator[None]:
+    """Multiply `optimizer`'s learning rate by `factor` inside the block.
+
+    The original value is restored exactly on exit, also on error.
+
+    Example:
+
+    >>> import keras, keras_nanguard as ng
+    >>> opt = keras.optimizers.SGD(0.01)
+    >>> with ng.faults.learning_rate_spike(opt, 1e6):
+    ...     print(round(float(opt.learning_rate)))
+    10000
+    >>> round(float(opt.learning_rate), 6)
+    0.01
+    """
+    lr = _settable_lr(optimizer)
+    original = ops.convert_to_numpy(lr).copy()
+    lr.assign(original * factor)
+    try:
+        yield
+    finally:
+        lr.assign(original)
+
+
+class LearningRateSpike(keras.callbacks.Callback):
+    """Multiplies the learning rate by `factor` for chosen training steps.
+
+    Steps are global 0-based batch indices across epochs of one `fit`. With
+    `steps_per_execution > 1` the callback sees one batch per execution, so
+    the spike covers a whole execution.
+
+    Args:
+        at_steps: int or list of ints.
+        factor: the multiplier, e.g. `1e6`.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> spike = ng.faults.LearningRateSpike(at_steps=[10, 11], factor=1e6)
+    """
+
+    def __init__(self, at_steps: Iterable[int] | int, factor: float) -> None:
+        super().__init__()
+        self.at_steps = _steps(at_steps)
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, int | float)
+            or not factor > 0
+        ):
+            raise ValueError(
+                f"`factor` must be a number > 0. Received: factor={factor!r}"
+            )
+        self.factor = float(factor)
+        self._step = 0
+        self._original: np.ndarray | None = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._step = 0
+        self._original = None
+        _settable_lr(self.model.optimizer)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        lr = self.model.optimizer.learning_rate
+        if self._step in self.at_steps:
+            if self._original is None:
+                self._original = ops.convert_to_numpy(lr).copy()
+            lr.assign(self._original * self.factor)
+        elif self._original is not None:
+            lr.assign(self._original)
+            self._original = None
+        self._step += 1
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._original is not None:
+            self.model.optimizer.learning_rate.assign(self._original)
+            self._original = None

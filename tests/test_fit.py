@@ -1,0 +1,240 @@
+"""SafeOptimizer drop-in for model.fit and custom loops, on every backend."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_nanguard as ng
+from tests.helpers import BACKEND, all_finite, assert_bit_identical, numpy
+
+
+def _data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype("float32")
+    y = (x[:, :1] - x[:, 1:2] > 0).astype("float32")
+    return x, y
+
+
+def _model(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+# Logits: with the torch backend, a probability-space binary cross-entropy
+# raises on NaN predictions before any optimizer could act.
+LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
+
+
+class _Drop(keras.utils.PyDataset):
+    """The same batches as PoisonedBatches, with the poisoned ones left out."""
+
+    def __init__(self, x, y, batch_size, drop):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+        n = len(x) // batch_size
+        self.keep = [i for i in range(n) if i not in drop]
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        b = self.keep[i]
+        s = slice(b * self.batch_size, (b + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+FIT_MODES = {
+    "default": {},
+    "jit_compile": {"jit_compile": True},
+    "steps_per_execution": {"steps_per_execution": 2},
+    "run_eagerly": {"run_eagerly": True},
+}
+if BACKEND == "torch":  # Keras allows only steps_per_execution=1 there.
+    del FIT_MODES["steps_per_execution"]
+
+
+@pytest.mark.parametrize("mode", sorted(FIT_MODES))
+def test_fit_rejects_poisoned_batches_and_matches_clean_training(mode):
+    x, y = _data()
+    bad = [2, 5]
+    poisoned = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=bad)
+    model = _model()
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2))
+    model.compile(optimizer=opt, loss=LOSS, **FIT_MODES[mode])
+    model.fit(poisoned, epochs=1, verbose=0, shuffle=False)
+    assert poisoned.poisoned == bad
+    c = opt.counters()
+    assert c["skipped_steps"] == 2 and c["nonfinite_gradient_steps"] == 2
+    assert int(opt.iterations) == 4
+    assert all_finite(model.weights)
+
+    reference = _model()
+    reference.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=LOSS,
+        **FIT_MODES[mode],
+    )
+    reference.fit(_Drop(x, y, 16, bad), epochs=1, verbose=0, shuffle=False)
+    assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
+
+
+def test_train_on_batch():
+    x, y = _data(32)
+    model = _model()
+    opt = ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=1.0)
+    model.compile(optimizer=opt, loss=LOSS)
+    model.train_on_batch(x[:16], y[:16])
+    before = numpy(model.weights)
+    model.train_on_batch(ng.faults.poison(x[16:], rows=[3]), y[16:])
+    assert_bit_identical(before, numpy(model.weights), "weights")
+    model.train_on_batch(x[16:], y[16:])
+    assert opt.counters()["skipped_steps"] == 1 and int(opt.iterations) == 2
+
+
+def test_nan_sample_poisons_plain_training_but_not_safe_training():
+    """The motivating comparison from the issue, as a test."""
+    x, y = _data()
+    x_bad = ng.faults.poison(x, rows=[20])  # one NaN entry, second batch
+
+    def train(optimizer, callbacks=()):
+        model = _model()
+        model.compile(optimizer=optimizer, loss=LOSS)
+        model.fit(
+            x_bad,
+            y,
+            batch_size=16,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            callbacks=list(callbacks),
+        )
+        return model
+
+    clipped = train(keras.optimizers.RMSprop(1e-3, global_clipnorm=1.0))
+    assert not all_finite(clipped.weights)
+    terminate = train(
+        keras.optimizers.RMSprop(1e-3), [keras.callbacks.TerminateOnNaN()]
+    )
+    assert not all_finite(terminate.weights)
+    safe_opt = ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=1.0)
+    safe = train(safe_opt)
+    assert all_finite(safe.weights)
+    assert safe_opt.counters()["skipped_steps"] == 1
+    assert int(safe_opt.iterations) == 5
+
+
+@pytest.mark.parametrize("clipnorm", [None, 1e6])
+def test_clean_run_of_1000_steps_rejects_nothing_and_is_bit_identical(clipnorm):
+    x, y = _data(16 * 250, seed=1)
+
+    def train(optimizer):
+        model = _model()
+        model.compile(optimizer=optimizer, loss=LOSS)
+        model.fit(x, y, batch_size=16, epochs=4, verbose=0, shuffle=False)
+        return model
+
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3), clipnorm=clipnorm)
+    safe = train(opt)
+    plain = train(keras.optimizers.Adam(1e-3))
+    assert int(opt.iterations) == 1000
+    assert opt.counters()["skipped_steps"] == 0
+    assert opt.counters()["clipped_steps"] == 0
+    assert_bit_identical(numpy(plain.weights), numpy(safe.weights), "weights")
+
+
+def test_mixed_float16_model_fit():
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = _data()
+    model = _model()
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2))
+    model.compile(optimizer=opt, loss=LOSS)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.optimizer.inner_optimizer is opt
+    # The NaN batch is skipped by the loss scaler (scaled gradients not
+    # finite); the learning-rate spike is caught only by SafeOptimizer, which
+    # checks the update itself.
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[1])
+    spike = ng.faults.LearningRateSpike(at_steps=[3], factor=float("inf"))
+    model.fit(data, epochs=1, verbose=0, callbacks=[spike])
+    assert all_finite(model.weights)
+    c = opt.counters()
+    assert c["nonfinite_update_steps"] == 1 and c["skipped_steps"] == 1
+    assert int(opt.iterations) == 4
+    assert float(opt.learning_rate) == pytest.approx(1e-2)
+
+
+def test_custom_loop_eager_and_compiled():
+    """The user's loop: compute grads, then `optimizer.apply_gradients`."""
+    x, y = _data(64)
+    model = _model()
+    opt = ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=5.0)
+    loss_fn = LOSS
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    batches[2] = (ng.faults.poison(batches[2][0], rows=[0]), batches[2][1])
+
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
+            return loss
+
+        compiled = tf.function(step)
+        for i, (xb, yb) in enumerate(batches):
+            (step if i % 2 else compiled)(tf.constant(xb), tf.constant(yb))
+    elif BACKEND == "jax":
+        import jax
+
+        opt.build(model.trainable_variables)
+
+        def loss_of(tv, ntv, xb, yb):
+            pred, ntv = model.stateless_call(tv, ntv, xb, training=True)
+            return loss_fn(yb, pred), ntv
+
+        @jax.jit
+        def train_step(state, xb, yb):
+            tv, ntv, ov = state
+            (loss, ntv), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                tv, ntv, xb, yb
+            )
+            tv, ov = opt.stateless_apply(ov, grads, tv)
+            return loss, (tv, ntv, ov)
+
+        state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in opt.variables],
+        )
+        for xb, yb in batches:
+            _, state = train_step(state, xb, yb)
+        for v, value in zip(model.trainable_variables, state[0], strict=True):
+            v.assign(value)
+        for v, value in zip(opt.variables, state[2], strict=True):
+            v.assign(value)
+    else:
+        import torch
+
+        for xb, yb in batches:
+            model.zero_grad()
+            loss = loss_fn(
+                torch.as_tensor(yb), model(torch.as_tensor(xb), training=True)
+            )
+            loss.backward()
+            grads = [v.value.grad for v in model.trainable_variables]
+            with torch.no_grad():
+                opt.apply(grads, model.trainable_variables)
+
+    assert all_finite(model.weights)
+    assert opt.counters()["skipped_steps"] == 1
+    assert int(opt.iterations) == 3
+    assert float(ops.convert_to_numpy(opt.last_grad_norm)) > 0
