@@ -27,6 +27,18 @@ _COUNTERS = (
     ("lr_scale", "float32", 1.0),
     ("consecutive_accepts", "int32", 0),
 )
+# Counters that are history (NaNGuard keeps them through a rollback); the
+# others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
+_HISTORY = (
+    "skipped_steps",
+    "nonfinite_gradient_steps",
+    "nonfinite_update_steps",
+    "clipped_steps",
+    "last_grad_norm",
+    "rejected_grad_norm",
+    "last_rejection",
+    "last_nonfinite_index",
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -68,7 +80,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     - `rejected_grad_norm`: the same for the last rejected step.
     - `last_rejection`: why the last rejected step was rejected
       (0 never, 1 gradient, 2 update); `describe_last_rejection()` says it in
-      words, naming the first variable involved (`last_nonfinite_index`).
+      words, naming the first variable involved (`last_nonfinite_index` is
+      its position among the gradients, or among the weights and optimizer
+      variables, that were checked).
     - `lr_scale`: the current learning-rate back-off factor (1 without it).
 
     Args:
@@ -198,6 +212,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self.lr_recovery_steps = lr_recovery_steps
         self.min_lr_scale = min_lr_scale
         self.max_consecutive_skips = max_consecutive_skips
+        self._plans = _Plans()
         for counter, dtype, initial in _COUNTERS:
             var = self.add_variable(
                 shape=(),
@@ -212,6 +227,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
+        if keras.backend.backend() == "tensorflow":
+            _tf_update_out_of_place(self.inner_optimizer)
         super().build(var_list)
 
     @property
@@ -276,18 +293,35 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         ):
             self.check_halted()
 
+    def _plan(self, grads: list[Any], variables: list[keras.Variable]) -> tuple:
+        """Which gradients and which state variables a step checks, and their
+        names; computed once per shape of call (it is Python-only work)."""
+        key = (tuple(id(v) for v in variables), tuple(g is None for g in grads))
+        plan = self._plans.cache.get(key)
+        if plan is None:
+            checked = [
+                i
+                for i, (g, v) in enumerate(zip(grads, variables, strict=True))
+                if g is not None and not getattr(v, "overwrite_with_gradient", False)
+            ]
+            state = list(variables) + list(self.inner_optimizer.variables)
+            floats = [j for j, v in enumerate(state) if _is_float_variable(v)]
+            names = (
+                [_path(variables[i]) for i in checked],
+                [_path(state[j], optimizer=j >= len(variables)) for j in floats],
+            )
+            plan = self._plans.cache[key] = (checked, state, floats, names)
+        return plan
+
     def _transaction(self, grads: list[Any], variables: list[keras.Variable]) -> None:
         inner = self.inner_optimizer
-        checked = [
-            i
-            for i, (g, v) in enumerate(zip(grads, variables, strict=True))
-            if g is not None and not getattr(v, "overwrite_with_gradient", False)
-        ]
+        checked, state, floats, names = self._plan(grads, variables)
+        # Names of what the counters' indices point at, for the reports.
+        self._plans.names = names
+
         scale, rel, grad_finite = numerics.norm_parts([grads[i] for i in checked])
         grads_ok = ops.all(grad_finite)
-        norm = scale * rel
-
-        clipped = ops.convert_to_tensor(False)
+        clipped = None
         if self.clipnorm is not None:
             factor = ops.minimum(1.0, (self.clipnorm / scale) / rel)
             clipped = factor < 1.0
@@ -296,92 +330,80 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
         # The rollback point: weights and all inner optimizer variables, read
         # before the inner update writes to them.
-        state = list(variables) + list(inner.variables)
-        backup = [_snapshot(v) for v in state]
-        lr_var = inner.learning_rate if self.lr_backoff is not None else None
-        if lr_var is not None:
-            base_lr = _snapshot(lr_var)
+        backup = _snapshot(state)
+        if self.lr_backoff is None:
+            inner.apply(grads, variables)
+        else:
+            lr_var = inner.learning_rate
+            (base_lr,) = _snapshot([lr_var])
             lr_var.assign(base_lr * ops.cast(self.lr_scale.value, lr_var.dtype))
-        inner.apply(grads, variables)
-        if lr_var is not None:
+            inner.apply(grads, variables)
             lr_var.assign(base_lr)
 
-        floats = [j for j, v in enumerate(state) if _is_float_variable(v)]
-        new_finite = ops.stack([numerics.all_finite(state[j]) for j in floats])
+        new_finite = numerics.finite_flags([state[j] for j in floats])
         update_ok = ops.all(new_finite)
-        halted = (
-            ops.convert_to_tensor(False)
-            if self.max_consecutive_skips is None
-            else self.consecutive_skips.value >= self.max_consecutive_skips
-        )
-        ok = ops.logical_and(ops.logical_and(grads_ok, update_ok), ~halted)
+        ok = ops.logical_and(grads_ok, update_ok)
+        if self.max_consecutive_skips is not None:  # halted: reject everything
+            ok = ops.logical_and(
+                ok, self.consecutive_skips.value < self.max_consecutive_skips
+            )
         _restore_unless(ok, state, backup)
-
-        # Where the trouble was: an index into the built trainable variables,
-        # or past them into the inner optimizer's variables.
-        n_built = len(self._trainable_variables)
-        ids = [self._get_variable_index(variables[i]) for i in checked]
-        grad_ids = ops.convert_to_tensor(ids or [-1], "int32")
-        state_ids = ops.convert_to_tensor(
-            [
-                self._get_variable_index(state[j])
-                if j < len(variables)
-                else n_built + j - len(variables)
-                for j in floats
-            ],
-            "int32",
-        )
-        first_bad_grad = ops.take(grad_ids, _first_false(grad_finite))
-        first_bad_state = ops.take(state_ids, _first_false(new_finite))
         self._count(
-            ok, grads_ok, update_ok, clipped, norm, first_bad_grad, first_bad_state
+            ok,
+            grads_ok,
+            update_ok,
+            clipped,
+            scale * rel,
+            _first_false(grad_finite),
+            _first_false(new_finite),
         )
 
     def _count(
         self, ok, grads_ok, update_ok, clipped, norm, first_bad_grad, first_bad_state
     ) -> None:
-        rejected = ops.cast(~ok, "int32")
+        i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
         bad_grad = ~grads_ok
         bad_update = ops.logical_and(grads_ok, ~update_ok)
-        self.skipped_steps.assign(self.skipped_steps.value + rejected)
+        norm = ops.cast(norm, "float32")
+        self.skipped_steps.assign(self.skipped_steps.value + i32(~ok))
         self.consecutive_skips.assign(
             ops.where(ok, 0, self.consecutive_skips.value + 1)
         )
         self.nonfinite_gradient_steps.assign(
-            self.nonfinite_gradient_steps.value + ops.cast(bad_grad, "int32")
+            self.nonfinite_gradient_steps.value + i32(bad_grad)
         )
         self.nonfinite_update_steps.assign(
-            self.nonfinite_update_steps.value + ops.cast(bad_update, "int32")
+            self.nonfinite_update_steps.value + i32(bad_update)
         )
-        self.clipped_steps.assign(
-            self.clipped_steps.value + ops.cast(ops.logical_and(ok, clipped), "int32")
-        )
-        self.last_grad_norm.assign(ops.cast(norm, "float32"))
+        if clipped is not None:
+            self.clipped_steps.assign(
+                self.clipped_steps.value + i32(ops.logical_and(ok, clipped))
+            )
+        self.last_grad_norm.assign(norm)
         self.rejected_grad_norm.assign(
-            ops.where(ok, self.rejected_grad_norm.value, ops.cast(norm, "float32"))
+            ops.where(ok, self.rejected_grad_norm.value, norm)
         )
-        self.last_rejection.assign(
-            ops.where(bad_grad, 1, ops.where(bad_update, 2, self.last_rejection.value))
-        )
+        reason = ops.where(bad_grad, 1, ops.where(bad_update, 2, 0))
+        failed = reason > 0
+        self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))
         self.last_nonfinite_index.assign(
             ops.where(
-                bad_grad,
-                first_bad_grad,
-                ops.where(bad_update, first_bad_state, self.last_nonfinite_index.value),
+                failed,
+                ops.where(bad_grad, first_bad_grad, first_bad_state),
+                self.last_nonfinite_index.value,
             )
         )
         if self.lr_backoff is None:
             return
         accepts = ops.where(ok, self.consecutive_accepts.value + 1, 0)
         recover = accepts >= self.lr_recovery_steps
-        scale = ops.where(
+        lr_scale = self.lr_scale.value
+        lr_scale = ops.where(
             ok,
-            ops.where(
-                recover, self.lr_scale.value / self.lr_backoff, self.lr_scale.value
-            ),
-            self.lr_scale.value * self.lr_backoff,
+            ops.where(recover, lr_scale / self.lr_backoff, lr_scale),
+            lr_scale * self.lr_backoff,
         )
-        self.lr_scale.assign(ops.clip(scale, self.min_lr_scale, 1.0))
+        self.lr_scale.assign(ops.clip(lr_scale, self.min_lr_scale, 1.0))
         self.consecutive_accepts.assign(ops.where(recover, 0, accepts))
 
     # ------------------------------------------------------------ reporting
@@ -413,7 +435,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         reason = _REASONS.get(int(c["last_rejection"]), "none")
         if reason == "none":
             return ""
-        where = self._variable_name(int(c["last_nonfinite_index"]))
+        names = self._plans.names[reason == "update"]
+        index = int(c["last_nonfinite_index"])
+        where = names[index] if 0 <= index < len(names) else f"variable #{index}"
         norm = c["rejected_grad_norm"]
         if reason == "gradient":
             return (
@@ -450,16 +474,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 report=self.counters(),
             )
 
-    def _variable_name(self, index: int) -> str:
-        n = len(self._trainable_variables)
-        if 0 <= index < n:
-            v = self._trainable_variables[index]
-        elif n <= index < n + len(self.inner_optimizer.variables):
-            v = self.inner_optimizer.variables[index - n]
-            return f"optimizer variable '{getattr(v, 'path', v.name)}'"
-        else:
-            return "an unknown variable"
-        return f"'{getattr(v, 'path', v.name)}'"
+    def _history_variables(self) -> list[keras.Variable]:
+        return [getattr(self, name) for name in _HISTORY]
 
     # -------------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
@@ -485,6 +501,15 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
 
 # ------------------------------------------------------------------ helpers
+class _Plans:
+    """Per-call-shape Python bookkeeping, kept out of Keras's variable tracking
+    (a plain dict attribute would be tracked, and its variables with it)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, tuple] = {}
+        self.names: tuple[list[str], list[str]] = ([], [])
+
+
 def _resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
     if isinstance(optimizer, str):
         try:
@@ -537,6 +562,11 @@ def _check_positive(name: str, value: Any, allow_none: bool = False) -> Any:
     return float(value)
 
 
+def _path(v: keras.Variable, optimizer: bool = False) -> str:
+    name = f"'{getattr(v, 'path', None) or v.name}'"
+    return f"optimizer variable {name}" if optimizer else name
+
+
 def _is_float_variable(v: keras.Variable) -> bool:
     return keras.backend.is_float_dtype(v.dtype)
 
@@ -554,18 +584,46 @@ def _scale(g: Any, factor: Any) -> Any:
     return g * ops.cast(factor, g.dtype)
 
 
-def _snapshot(v: keras.Variable) -> Any:
-    """The value of `v` now, unaffected by later in-place updates."""
+def _snapshot(variables: list[keras.Variable]) -> list[Any]:
+    """The values of `variables` now, unaffected by later in-place updates."""
     backend = keras.backend.backend()
     if backend == "torch":
-        return v.value.detach().clone()
+        return [v.value.detach().clone() for v in variables]
     if backend == "tensorflow":
         import tensorflow as tf
 
         # A read is a copy-on-write snapshot: the buffer is copied only if
-        # the variable is then written while the snapshot is alive.
-        return tf.identity(v.value)
-    return v.value  # JAX arrays are immutable.
+        # the variable is then written in place while the snapshot is alive.
+        return [tf.identity(v.value) for v in variables]
+    return [v.value for v in variables]  # JAX arrays are immutable.
+
+
+def _tf_update_out_of_place(inner: keras.optimizers.Optimizer) -> None:
+    """Makes `inner`'s in-place `assign_add`/`assign_sub` compute out of place.
+
+    While the rollback snapshot holds a reference to a variable's buffer,
+    TensorFlow copies that buffer before any in-place update (copy-on-write):
+    one extra copy of the weights per step. Computing `variable + value` and
+    assigning it swaps buffers instead, at the cost of the in-place update.
+    Sparse updates (`IndexedSlices`) keep the inner optimizer's own path.
+    """
+    if getattr(inner, "_nanguard_out_of_place", False):
+        return
+    cls = type(inner)
+
+    def assign_add(variable: Any, value: Any) -> None:
+        if hasattr(value, "indices"):
+            return cls.assign_add(inner, variable, value)
+        return inner.assign(variable, variable + ops.cast(value, variable.dtype))
+
+    def assign_sub(variable: Any, value: Any) -> None:
+        if hasattr(value, "indices"):
+            return cls.assign_sub(inner, variable, value)
+        return inner.assign(variable, variable - ops.cast(value, variable.dtype))
+
+    inner.assign_add = assign_add
+    inner.assign_sub = assign_sub
+    inner._nanguard_out_of_place = True
 
 
 def _restore_unless(ok: Any, state: list, backup: list) -> None:
@@ -576,6 +634,12 @@ def _restore_unless(ok: Any, state: list, backup: list) -> None:
         return
 
     def restore():
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                torch._foreach_copy_([v.value for v in state], backup)
+            return
         for v, old in zip(state, backup, strict=True):
             v.assign(old)
 
