@@ -108,9 +108,10 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             (it never gives up and applies a bad update) and raises
             `keras_nanguard.NonFiniteError` at the next point where it runs
             on the host: at once in eager steps (custom loops, the torch
-            backend, `run_eagerly=True`), at the end of the batch when a
-            `NaNGuard` watches `model.fit`, or when you call
-            `check_halted()`. Defaults to `None` (never halt).
+            backend, `run_eagerly=True`), or when you call `check_halted()`.
+            In compiled `model.fit` steps, a `NaNGuard` treats the halt as
+            trouble and follows its policy (its rollback resets the streak).
+            Defaults to `None` (never halt).
         name: the optimizer's name. Defaults to an automatic name.
 
     Example:

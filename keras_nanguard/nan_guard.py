@@ -1,0 +1,776 @@
+"""NaNGuard: watch `model.fit`, keep a good state, roll back or stop, say why."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_nanguard import snapshots
+from keras_nanguard.errors import NonFiniteError
+
+POLICIES = ("rollback", "stop", "raise", "warn")
+_LOG = logging.getLogger("keras_nanguard")
+
+
+class _Cadence:
+    """When a periodic host-side job is due: every `every` steps, or, with
+    "auto", as often as keeps its measured cost within `budget` of the
+    measured step time, and at least `min_every` steps apart."""
+
+    def __init__(self, every: int | str, budget: float, min_every: int) -> None:
+        self.every, self.budget, self.min_every = every, budget, min_every
+        self.cost: float | None = None
+        self.since = 0
+
+    def due(self, step_seconds: float | None) -> bool:
+        self.since += 1
+        if self.every != "auto":
+            return self.since >= self.every
+        if self.cost is None or not step_seconds:
+            return self.since >= self.min_every
+        interval = math.ceil(self.cost / (self.budget * step_seconds))
+        return self.since >= max(self.min_every, interval)
+
+    def done(self, cost: float) -> None:
+        self.cost, self.since = cost, 0
+
+
+@dataclasses.dataclass
+class Incident:
+    """One episode of trouble: consecutive bad steps count as one incident."""
+
+    fit: int
+    epoch: int
+    step: int
+    batch: int
+    kind: str
+    detail: str
+    action: str = "none"
+    steps: int = 1
+    loss: float | None = None
+    grad_norm: float | None = None
+    variables: list[str] = dataclasses.field(default_factory=list)
+    learning_rate: tuple[float, float] | None = None
+    batch_data: Any = dataclasses.field(default=None, repr=False)
+    diagnosis: Any = dataclasses.field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("batch_data")
+        diagnosis = out.pop("diagnosis")
+        if self.diagnosis is not None and hasattr(self.diagnosis, "to_dict"):
+            out["diagnosis"] = self.diagnosis.to_dict()
+        elif diagnosis is not None:
+            out["diagnosis"] = str(diagnosis)
+        return out
+
+    def __str__(self) -> str:
+        where = f"epoch {self.epoch}, step {self.step}"
+        if self.steps > 1:
+            where += f" (+{self.steps - 1} more steps)"
+        text = f"[{where}] {self.kind}: {self.detail}"
+        if self.variables:
+            shown = ", ".join(self.variables[:3])
+            more = len(self.variables) - 3
+            text += f" Non-finite: {shown}" + (
+                f" and {more} more." if more > 0 else "."
+            )
+        return f"{text} Action: {self.action}."
+
+
+@keras.saving.register_keras_serializable(package="keras_nanguard")
+class NaNGuard(keras.callbacks.Callback):
+    """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
+
+    What it watches, at the end of every batch (and so synchronously, also on
+    JAX and PyTorch where Keras would otherwise run batch-end callbacks in a
+    background thread):
+
+    - the batch's loss and metrics: Keras logs running means, so NaNGuard
+      excludes a bad batch from them (see below) and sees every bad batch;
+    - the counters of a `SafeOptimizer` (also inside a `LossScaleOptimizer`):
+      rejected steps, and a halt after `max_consecutive_skips`;
+    - the weights and optimizer variables, where reading them is paid for
+      anyway: when a snapshot is taken, at the end of an epoch, and at an
+      incident.
+
+    It keeps a last-known-good snapshot of every model weight and optimizer
+    variable, on the host, taken only when all are finite: at the start of
+    training, then every `snapshot_every` steps (by default as often as fits
+    in 1% of the training time), and optionally written to `directory`.
+
+    What it does on *trouble*: non-finite weights or optimizer state, a
+    non-finite loss with a plain optimizer (the bad update has been applied),
+    or `max_rejections` steps in a row rejected by a SafeOptimizer (the state
+    itself is drifting). A single step rejected by a SafeOptimizer is recorded
+    but is not trouble: nothing was applied.
+
+    - `"rollback"` (default): restore the snapshot, multiply the learning rate
+      by `lr_factor`, discard the next `skip_batches` batches, and go on;
+      after `patience` rollbacks with no fresh good snapshot in between, stop
+      as with `"stop"`.
+    - `"stop"`: restore the snapshot and stop training; `fit` returns a
+      finite, usable model.
+    - `"raise"`: restore the snapshot and raise `keras_nanguard.NonFiniteError`
+      with the incident report.
+    - `"warn"`: only warn.
+
+    Reported figures: a batch whose loss or metrics are non-finite, and a
+    discarded batch, are left out of the epoch's loss and metrics (Keras's
+    metric states are reset and NaNGuard combines the parts, each batch
+    weighted equally), so the progress bar, `History`, `CSVLogger` and
+    callbacks after NaNGuard see finite figures. NaNGuard edits `logs` in
+    place: list it *before* `ModelCheckpoint`, `BackupAndRestore`,
+    `EarlyStopping`, `CSVLogger` and `TensorBoard`. It adds `nanguard_incidents`,
+    `nanguard_rollbacks` and (with a SafeOptimizer) `nanguard_rejected_steps`
+    to the logs.
+
+    With `steps_per_execution=k`, Keras calls back once per k steps, so
+    detection, rollback and the exclusion of figures work on whole groups of k
+    steps.
+
+    Args:
+        policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
+            `"rollback"`.
+        snapshot_every: steps between snapshots (int >= 1), or `"auto"`: as
+            often as keeps the snapshot cost under `snapshot_budget` of the
+            training time, and at least every 10 steps apart. Defaults to
+            `"auto"`.
+        snapshot_budget: fraction of training time snapshots may take, with
+            `"auto"`. Defaults to 0.01.
+        check_every: steps between reads of a SafeOptimizer's counters
+            (int >= 1), or `"auto"`: as often as keeps the reads under 1% of
+            the training time. A batch with non-finite figures always
+            triggers a read. Rejected steps whose loss was finite are
+            noticed at the next read (they were not applied, so nothing is
+            lost in between). Defaults to `"auto"`.
+        lr_factor: float in (0, 1]: learning-rate multiplier at each rollback
+            (1 keeps it). Defaults to 0.5.
+        skip_batches: int >= 0: batches discarded after a rollback (their
+            updates are undone). Defaults to 0.
+        patience: int >= 0: rollbacks allowed without a fresh good snapshot in
+            between before stopping. Defaults to 3.
+        max_rejections: int >= 1: steps in a row rejected by a SafeOptimizer
+            that count as trouble. Defaults to 3.
+        directory: optional path; each snapshot is also written there,
+            atomically, as `nanguard_snapshot.npz` (read it back with
+            `keras_nanguard.snapshots.load`). Defaults to `None`.
+        report_path: optional path of a JSON file with every incident,
+            rewritten atomically after each incident and at the end of
+            training. Defaults to `None`.
+        replay: optional `(x, y)` arrays or a `keras.utils.PyDataset` that
+            `fit` reads unshuffled; the batch of an incident is then kept in
+            `incident.batch_data` (and diagnosed, see `keras_nanguard.diagnose`).
+            Defaults to `None`.
+        batch_size: batch size used with array `replay` data. Defaults to 32.
+        verbose: 0 silent, 1 logs a line per incident (logger
+            `"keras_nanguard"`, level WARNING). Defaults to 1.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_nanguard as ng
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=ng.SafeOptimizer(keras.optimizers.SGD(0.01)),
+    ...               loss="mse")
+    >>> x = ng.faults.poison(np.ones((64, 4), "float32"), rows=[5])
+    >>> guard = ng.NaNGuard(verbose=0)
+    >>> history = model.fit(x, np.ones((64, 1)), batch_size=16, verbose=0,
+    ...                     shuffle=False, callbacks=[guard])
+    >>> len(guard.incidents), guard.incidents[0].kind
+    (1, 'rejected_step')
+    >>> bool(np.isfinite(history.history["loss"][0]))
+    True
+    """
+
+    def __init__(
+        self,
+        policy: str = "rollback",
+        *,
+        snapshot_every: int | str = "auto",
+        snapshot_budget: float = 0.01,
+        check_every: int | str = "auto",
+        lr_factor: float = 0.5,
+        skip_batches: int = 0,
+        patience: int = 3,
+        max_rejections: int = 3,
+        directory: str | os.PathLike | None = None,
+        report_path: str | os.PathLike | None = None,
+        replay: Any = None,
+        batch_size: int = 32,
+        verbose: int = 1,
+    ) -> None:
+        super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(
+                f"`policy` must be one of {POLICIES}. Received: policy={policy!r}"
+            )
+        for name, value in (
+            ("snapshot_every", snapshot_every),
+            ("check_every", check_every),
+        ):
+            if value != "auto" and not _is_int(value, 1):
+                raise ValueError(
+                    f"`{name}` must be an int >= 1 or 'auto'. "
+                    f"Received: {name}={value!r}"
+                )
+        if not (_is_number(snapshot_budget) and 0 < snapshot_budget < 1):
+            raise ValueError(
+                "`snapshot_budget` must be in (0, 1). "
+                f"Received: snapshot_budget={snapshot_budget!r}"
+            )
+        if not (_is_number(lr_factor) and 0 < lr_factor <= 1):
+            raise ValueError(
+                f"`lr_factor` must be in (0, 1]. Received: lr_factor={lr_factor!r}"
+            )
+        for name, value, low in (
+            ("skip_batches", skip_batches, 0),
+            ("patience", patience, 0),
+            ("max_rejections", max_rejections, 1),
+            ("batch_size", batch_size, 1),
+        ):
+            if not _is_int(value, low):
+                raise ValueError(
+                    f"`{name}` must be an int >= {low}. Received: {name}={value!r}"
+                )
+        self.policy = policy
+        self.snapshot_every = snapshot_every
+        self.snapshot_budget = float(snapshot_budget)
+        self.check_every = check_every
+        self.lr_factor = float(lr_factor)
+        self.skip_batches = skip_batches
+        self.patience = patience
+        self.max_rejections = max_rejections
+        self.directory = None if directory is None else os.fspath(directory)
+        self.report_path = None if report_path is None else os.fspath(report_path)
+        self.replay = replay
+        self.batch_size = batch_size
+        self.verbose = verbose
+        self.incidents: list[Incident] = []
+        self.rollbacks = 0
+        # `snapshot` is the rollback point. A new snapshot is first `_pending`:
+        # it becomes the rollback point only once the next batch is healthy,
+        # so an update that is finite but ruinous (a learning-rate spike) is
+        # not kept as "good" before its damage shows. `_spare` holds the
+        # previous buffers for reuse.
+        self.snapshot: snapshots.Snapshot | None = None
+        self._pending: snapshots.Snapshot | None = None
+        self._spare: snapshots.Snapshot | None = None
+        self.snapshots_taken = 0
+        self._fits = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.directory is not None:
+            _check_writable(self.directory, "directory")
+        if self.report_path is not None:
+            _check_writable(
+                os.path.dirname(os.path.abspath(self.report_path)), "report_path"
+            )
+        self._fit = self._fits
+        self._fits += 1
+        self._step = 0
+        self._batch_step = 0
+        self._epoch = 0
+        self._open: Incident | None = None
+        self._rollbacks_since_snapshot = 0
+        self._skip_left = 0
+        self._safe = snapshots.find_safe_optimizer(self.model.optimizer)
+        self._snapshots = _Cadence(self.snapshot_every, self.snapshot_budget, 10)
+        self._checks = _Cadence(self.check_every, 0.01, 1)
+        self._last_time: float | None = None
+        self._step_seconds: float | None = None
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        snapshots.sync_from_device(self.model)
+        self._rejected_seen = self._read_rejected()
+        self._checked_at = -1
+        self._pending = None
+        snap, bad = snapshots.take(self.model, epoch=0, step=0, into=self.snapshot)
+        if snap is None:
+            raise NonFiniteError(
+                "NaNGuard: the model is already non-finite before training starts "
+                f"({', '.join(bad[:5])}); there is no good state to protect. "
+                "Re-initialise or load good weights first."
+            )
+        self._keep(snap)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        # Epoch figures without the left-out batches: `_prefix` averages the
+        # kept batches before Keras's metric states were last reset,
+        # `_segment` is Keras's running mean since then.
+        self._prefix: dict[str, float] = {}
+        self._prefix_n = 0
+        self._segment: dict[str, float] = {}
+        self._segment_n = 0
+        self._left_out = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        logs = logs if logs is not None else {}
+        self._batch_step = self._step  # 0-based global step of this batch
+        self._step += 1
+        self._time_step()
+        if self._skip_left > 0:  # discard this batch: undo its update
+            self._skip_left -= 1
+            snapshots.sync_from_device(self.model)
+            snapshots.restore(self.model, self.snapshot)
+            self._leave_out(logs)
+            self._publish(logs)
+            return
+
+        bad_logs = sorted(k for k, v in logs.items() if _nonfinite(v))
+        new_rejections, since = self._check_counters(force=bool(bad_logs))
+        if bad_logs:  # this batch's figures are bad: it is left out of them
+            snapshots.sync_from_device(self.model)
+            if new_rejections:
+                self._on_rejection(batch, logs, bad_logs, new_rejections, since)
+            else:
+                variables = snapshots.nonfinite_names(self.model)
+                detail = _describe_logs(logs, bad_logs)
+                if variables:
+                    detail += " The update was applied: the state is non-finite."
+                self._record(batch, "nonfinite_loss", detail, logs, variables)
+                if variables:
+                    self._trouble()
+            self._leave_out(logs)
+        elif new_rejections:  # rejected with finite figures, e.g. an overflow
+            self._keep_in(logs)
+            self._on_rejection(batch, logs, [], new_rejections, since)
+        else:
+            self._open = None
+            self._keep_in(logs)
+            if self._pending is not None:
+                self._keep(self._pending)
+            self._maybe_snapshot(batch)
+        self._publish(logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs = logs if logs is not None else {}
+        if self._prefix_n:
+            train = {k: logs[k] for k in self._prefix if k in logs}
+            segment = {k: float(v) for k, v in train.items()} if self._segment_n else {}
+            logs.update(_mean(self._prefix, self._prefix_n, segment, self._segment_n))
+        elif self._left_out and not self._segment_n:
+            # Every batch was left out: there is no figure to report.
+            for key in [k for k in logs if _is_metric(k, logs[k])]:
+                if not key.startswith("val_"):
+                    logs[key] = float("nan")
+        snapshots.sync_from_device(self.model)
+        new_rejections, since = self._check_counters(force=True)
+        if new_rejections:  # not yet seen by a periodic read
+            self._on_rejection(-1, logs, [], new_rejections, since)
+        snap, bad = snapshots.take(
+            self.model, epoch=epoch + 1, step=self._step, into=self._reusable()
+        )
+        if snap is None:
+            self._record(
+                -1, "nonfinite_weights", "found at the end of the epoch.", logs, bad
+            )
+            self._trouble()
+        else:
+            self._pending = snap
+        self._publish(logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._write_report()
+
+    # -------------------------------------------------------------- signals
+    def _check_counters(self, force: bool) -> tuple[int, int]:
+        """New rejections since the last read, and the first step they may
+        belong to. Reads only when due (or forced), see `check_every`."""
+        if self._safe is None or not (force or self._checks.due(self._step_seconds)):
+            return 0, self._batch_step
+        start = time.perf_counter()
+        snapshots.sync_from_device(self.model)
+        rejected = self._read_rejected()
+        new = rejected - self._rejected_seen
+        since = self._checked_at + 1
+        self._rejected_seen, self._checked_at = rejected, self._batch_step
+        self._checks.done(time.perf_counter() - start)
+        return new, since
+
+    def _read_rejected(self) -> int:
+        # The caller syncs JAX state first; `.value` avoids the slow
+        # KerasVariable.__array__ path.
+        if self._safe is None:
+            return 0
+        return int(self._safe.skipped_steps.value)
+
+    def _on_rejection(
+        self, batch: int, logs: dict, bad_logs: list[str], count: int, since: int
+    ) -> None:
+        safe = self._safe
+        c = safe.counters()
+        if bad_logs and count == 1:  # this batch's own step
+            since = self._batch_step
+        plural = "s" if count > 1 else ""
+        when = (
+            "" if since >= self._batch_step else f" in steps {since}-{self._batch_step}"
+        )
+        detail = (
+            f"SafeOptimizer rejected {count} step{plural}{when}: "
+            f"{safe.describe_last_rejection()}; nothing was applied."
+        )
+        if bad_logs:
+            detail = _describe_logs(logs, bad_logs) + " " + detail
+        halted = (
+            safe.max_consecutive_skips is not None
+            and c["consecutive_skips"] >= safe.max_consecutive_skips
+        )
+        kind = "halted" if halted else "rejected_step"
+        self._record(
+            batch, kind, detail, logs, [], grad_norm=c["rejected_grad_norm"], step=since
+        )
+        if halted or c["consecutive_skips"] >= self.max_rejections:
+            self._trouble()
+
+    # ------------------------------------------------------------ incidents
+    def _record(
+        self, batch, kind, detail, logs, variables, grad_norm=None, step=None
+    ) -> None:
+        loss = logs.get("loss")
+        if self._open is not None and batch >= 0:
+            inc = self._open  # the same episode goes on
+            inc.steps += 1
+            inc.variables = sorted(set(inc.variables) | set(variables))
+            if kind != "rejected_step":
+                inc.kind, inc.detail = kind, detail
+            return
+        inc = Incident(
+            fit=self._fit,
+            epoch=self._epoch,
+            step=step
+            if step is not None
+            else (self._batch_step if batch >= 0 else self._step),
+            batch=batch,
+            kind=kind,
+            detail=detail,
+            steps=1,
+            loss=None if loss is None else float(loss),
+            grad_norm=grad_norm,
+            variables=list(variables),
+        )
+        inc.batch_data = self._replay_batch(batch)
+        self.incidents.append(inc)
+        self._open = inc if batch >= 0 else None
+        if inc.batch_data is not None:
+            inc.diagnosis = _diagnose(self.model, inc.batch_data)
+        if self.verbose:
+            _LOG.warning("NaNGuard: %s", inc)
+        self._write_report()
+
+    def _trouble(self) -> None:
+        inc = self.incidents[-1]
+        if self.policy == "warn":
+            if inc.action != "warned":  # once per incident, not per batch
+                inc.action = "warned"
+                warnings.warn(f"NaNGuard: {inc}", stacklevel=2)
+            return
+        if self._pending is not None:  # taken after the last healthy batch
+            self._spare, self._pending = self._pending, None
+        snapshots.restore(self.model, self.snapshot)
+        where = f"restored the snapshot of epoch {self.snapshot.epoch}, step {self.snapshot.step}"
+        if self.policy == "raise":
+            inc.action = where + ", raised NonFiniteError"
+            self._write_report()
+            raise NonFiniteError(f"NaNGuard: {inc}", report=self.report())
+        if self.policy == "rollback" and self._rollbacks_since_snapshot < self.patience:
+            self.rollbacks += 1
+            self._rollbacks_since_snapshot += 1
+            inc.action = "rolled back: " + where
+            lr = self._lower_learning_rate()
+            if lr is not None:
+                inc.learning_rate = lr
+                inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
+            if self.skip_batches:
+                self._skip_left = self.skip_batches
+                inc.action += f", discarding the next {self.skip_batches} batches"
+            return
+        self.model.stop_training = True
+        inc.action = where + ", stopped training"
+        if self.policy == "rollback":
+            inc.action += (
+                f" after {self._rollbacks_since_snapshot} rollbacks without recovery"
+            )
+
+    def _lower_learning_rate(self) -> tuple[float, float] | None:
+        lr = self.model.optimizer.learning_rate
+        if self.lr_factor == 1 or not isinstance(lr, keras.Variable):
+            return None
+        old = float(keras.ops.convert_to_numpy(lr))
+        lr.assign(old * self.lr_factor)
+        return old, float(keras.ops.convert_to_numpy(lr))
+
+    def report(self) -> dict[str, Any]:
+        """Everything NaNGuard saw, as a JSON-ready dict.
+
+        Example:
+
+        >>> import keras_nanguard as ng
+        >>> ng.NaNGuard().report()["incidents"]
+        []
+        """
+        return {
+            "policy": self.policy,
+            "rollbacks": self.rollbacks,
+            "incidents": [i.to_dict() for i in self.incidents],
+        }
+
+    def summary(self) -> str:
+        """The incidents in words, one per line.
+
+        Example:
+
+        >>> import keras_nanguard as ng
+        >>> ng.NaNGuard().summary()
+        'NaNGuard: no incidents.'
+        """
+        if not self.incidents:
+            return "NaNGuard: no incidents."
+        lines = [
+            f"NaNGuard: {len(self.incidents)} incidents, {self.rollbacks} rollbacks."
+        ]
+        lines += [f"  {i}" for i in self.incidents]
+        return "\n".join(lines)
+
+    def _write_report(self) -> None:
+        if self.report_path is None:
+            return
+        directory = os.path.dirname(os.path.abspath(self.report_path))
+        fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.report(), f, indent=2, default=_json_default)
+        os.replace(tmp, self.report_path)
+
+    # ------------------------------------------------------------ snapshots
+    def _reusable(self) -> snapshots.Snapshot | None:
+        # Buffers a new snapshot may overwrite: never the rollback point.
+        spare = self._pending or self._spare
+        self._pending = self._spare = None
+        return spare
+
+    def _keep(self, snap: snapshots.Snapshot) -> None:
+        """Makes `snap` the rollback point."""
+        if self.snapshot is not None and self.snapshot is not snap:
+            self._spare = self.snapshot
+        self.snapshot, self._pending = snap, None
+        self.snapshots_taken += 1
+        self._rollbacks_since_snapshot = 0
+        if self.directory is not None:
+            start = time.perf_counter()
+            snapshots.save(snap, self.directory)
+            snap.seconds += time.perf_counter() - start
+        self._snapshots.done(snap.seconds)
+
+    def _maybe_snapshot(self, batch: int) -> None:
+        if not self._snapshots.due(self._step_seconds):
+            return
+        snapshots.sync_from_device(self.model)
+        snap, bad = snapshots.take(
+            self.model, epoch=self._epoch, step=self._step, into=self._reusable()
+        )
+        if snap is None:
+            self._record(
+                batch, "nonfinite_weights", "found while taking a snapshot.", {}, bad
+            )
+            self._trouble()
+        else:
+            self._pending = snap
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_time is not None:
+            dt = now - self._last_time
+            self._step_seconds = (
+                dt
+                if self._step_seconds is None
+                else (0.9 * self._step_seconds + 0.1 * dt)
+            )
+        self._last_time = now
+
+    # --------------------------------------------------------------- logs
+    def _keep_in(self, logs: dict) -> None:
+        self._segment = {k: float(v) for k, v in logs.items() if _is_metric(k, v)}
+        self._segment_n += 1
+        if self._prefix_n:
+            logs.update(
+                _mean(self._prefix, self._prefix_n, self._segment, self._segment_n)
+            )
+
+    def _leave_out(self, logs: dict) -> None:
+        """Leaves this batch out of the epoch figures: fold the kept part into
+        `_prefix` and reset Keras's metric states, which include this batch."""
+        self._prefix = _mean(
+            self._prefix, self._prefix_n, self._segment, self._segment_n
+        )
+        self._prefix_n += self._segment_n
+        self._segment, self._segment_n = {}, 0
+        self._left_out += 1
+        snapshots.sync_from_device(self.model)
+        self.model.reset_metrics()
+        for key in [k for k, v in logs.items() if _is_metric(k, v)]:
+            if key in self._prefix:
+                logs[key] = self._prefix[key]
+            else:  # nothing good to show yet
+                del logs[key]
+
+    def _publish(self, logs: dict) -> None:
+        logs["nanguard_incidents"] = len(self.incidents)
+        logs["nanguard_rollbacks"] = self.rollbacks
+        if self._safe is not None:
+            logs["nanguard_rejected_steps"] = self._rejected_seen
+
+    # ----------------------------------------------------------- replay data
+    def _replay_batch(self, batch: int) -> Any:
+        data = self.replay
+        if data is None or batch < 0:
+            return None
+        if isinstance(data, keras.utils.PyDataset):
+            return data[batch] if batch < len(data) else None
+        x, y = data if isinstance(data, tuple | list) else (data, None)
+        lo = batch * self.batch_size
+        if lo >= len(x):
+            return None
+        sl = slice(lo, lo + self.batch_size)
+        return (x[sl],) if y is None else (x[sl], y[sl])
+
+    @staticmethod
+    def restore(model: keras.Model, directory: str | os.PathLike) -> int:
+        """Loads the snapshot NaNGuard wrote into `directory` into `model`.
+
+        The model (compiled with the same optimizer, and built) must have the
+        same variables. Returns the step at which the snapshot was taken.
+
+        Example:
+
+        >>> import keras_nanguard as ng
+        >>> # after fit(..., callbacks=[ng.NaNGuard(directory="ckpt")]):
+        >>> # step = ng.NaNGuard.restore(model, "ckpt")
+        """
+        snap = snapshots.load(directory)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        # Names differ between two instances of one architecture; shapes don't.
+        shapes = [tuple(v.shape) for v in snapshots._tracked(model)]
+        if shapes != [a.shape for a in snap.values]:
+            raise ValueError(
+                "The snapshot in the directory was taken from a different model "
+                f"or optimizer. Received: directory={os.fspath(directory)!r} with "
+                f"{len(snap.values)} variables, model with {len(shapes)} (or "
+                "different shapes)"
+            )
+        snapshots.restore(model, snap)
+        return snap.step
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "snapshot_every": self.snapshot_every,
+            "snapshot_budget": self.snapshot_budget,
+            "check_every": self.check_every,
+            "lr_factor": self.lr_factor,
+            "skip_batches": self.skip_batches,
+            "patience": self.patience,
+            "max_rejections": self.max_rejections,
+            "directory": self.directory,
+            "report_path": self.report_path,
+            "batch_size": self.batch_size,
+            "verbose": self.verbose,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> NaNGuard:
+        return cls(**config)
+
+
+# ------------------------------------------------------------------ helpers
+def _diagnose(model: keras.Model, batch: Any) -> Any:
+    try:
+        from keras_nanguard.diagnosis import diagnose
+    except ImportError:  # diagnose() is optional for the guard
+        return None
+    try:
+        return diagnose(model, *batch)
+    except Exception as err:  # a report must never break training
+        return f"diagnose() failed: {type(err).__name__}: {err}"
+
+
+def _mean(
+    a: dict[str, float], n_a: int, b: dict[str, float], n_b: int
+) -> dict[str, float]:
+    """Batch-weighted mean of two running means."""
+    if n_a == 0:
+        return dict(b)
+    if n_b == 0:
+        return dict(a)
+    return {
+        k: (a[k] * n_a + v * n_b) / (n_a + n_b) if k in a else v for k, v in b.items()
+    }
+
+
+def _nonfinite(value: Any) -> bool:
+    try:
+        return not math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    if key.startswith("nanguard_"):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _describe_logs(logs: dict, bad: list[str]) -> str:
+    shown = ", ".join(f"{k}={logs[k]}" for k in bad)
+    return f"non-finite {shown} in this batch."
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return (
+        isinstance(value, int | np.integer)
+        and not isinstance(value, bool)
+        and value >= low
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _check_writable(directory: str, name: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".nanguard_probe_", dir=directory)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as err:
+        raise ValueError(
+            f"`{name}` must be a writable directory. Received: {name}={directory!r} ({err})"
+        ) from err
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)

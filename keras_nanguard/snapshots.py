@@ -1,0 +1,217 @@
+"""Last-known-good snapshots of a model and its optimizer, in memory or on disk.
+
+A snapshot holds host copies of every model weight (trainable and not) and
+every optimizer variable, taken only when all of them are finite. Written to
+disk, it goes to a temporary file in the same directory which is then renamed
+over the previous one, so a crash mid-write leaves the previous snapshot
+loadable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+import zipfile
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_nanguard.safe_optimizer import SafeOptimizer
+
+SNAPSHOT_FILE = "nanguard_snapshot.npz"
+
+
+def find_safe_optimizer(optimizer: Any) -> SafeOptimizer | None:
+    """The SafeOptimizer in a chain of wrappers (e.g. inside LossScaleOptimizer)."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, SafeOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+        seen += 1
+    return None
+
+
+def sync_from_device(model: keras.Model) -> None:
+    """Makes the model's variables current (JAX keeps them apart during fit)."""
+    if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+
+
+def _tracked(model: keras.Model) -> list[keras.Variable]:
+    variables = list(model.weights)
+    if getattr(model, "optimizer", None) is not None and model.optimizer.built:
+        variables += list(model.optimizer.variables)
+    return variables
+
+
+def _unchecked(model: keras.Model) -> set[int]:
+    # SafeOptimizer's report values (a NaN gradient norm, ...) are not state.
+    safe = find_safe_optimizer(getattr(model, "optimizer", None))
+    return set() if safe is None else {id(v) for v in safe._history_variables()}
+
+
+def _name(v: keras.Variable) -> str:
+    return getattr(v, "path", None) or v.name
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Host copies of a model's weights and optimizer variables."""
+
+    values: list[np.ndarray]
+    names: list[str]
+    epoch: int
+    step: int
+    seconds: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values)
+
+
+def host_view(v: keras.Variable) -> np.ndarray:
+    """`v`'s value on the host, sharing memory where the backend allows.
+
+    Only for reading at once: on torch (CPU) it changes with `v`.
+    """
+    backend = keras.backend.backend()
+    value = v.value
+    if backend == "tensorflow":
+        return np.asarray(value.read_value())  # a read is a copy-on-write view
+    if backend == "torch":
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _finite(value: np.ndarray) -> bool:
+    if value.dtype.kind != "f":
+        return True
+    # A sum reads once and allocates nothing; only a non-finite sum (a NaN or
+    # inf, or an overflow of the sum itself) needs the exact check.
+    return bool(np.isfinite(value.sum())) or bool(np.isfinite(value).all())
+
+
+def nonfinite_names(model: keras.Model) -> list[str]:
+    """Names of the model/optimizer variables holding NaN or inf (host read)."""
+    skip = _unchecked(model)
+    return [
+        _name(v)
+        for v in _tracked(model)
+        if id(v) not in skip and not _finite(host_view(v))
+    ]
+
+
+def take(
+    model: keras.Model, epoch: int, step: int, into: Snapshot | None = None
+) -> tuple[Snapshot | None, list[str]]:
+    """A snapshot if every variable is finite, else `(None, bad_names)`.
+
+    With `into` (a previous snapshot of the same model), its arrays are
+    overwritten, once every variable has been verified finite: reusing the
+    buffers avoids allocating (and page-faulting) the whole state again.
+    """
+    start = time.perf_counter()
+    variables = _tracked(model)
+    skip = _unchecked(model)
+    views = [host_view(v) for v in variables]
+    bad = [
+        _name(v)
+        for v, view in zip(variables, views, strict=True)
+        if id(v) not in skip and not _finite(view)
+    ]
+    if bad:
+        return None, bad
+    names = [_name(v) for v in variables]
+    if (
+        into is not None
+        and into.names == names
+        and all(
+            a.shape == b.shape and a.dtype == b.dtype
+            for a, b in zip(into.values, views, strict=True)
+        )
+    ):
+        for buffer, view in zip(into.values, views, strict=True):
+            np.copyto(buffer, view)
+        snap = into
+        snap.epoch, snap.step = epoch, step
+    else:
+        snap = Snapshot(
+            [np.array(view, copy=True) for view in views], names, epoch, step
+        )
+    snap.seconds = time.perf_counter() - start
+    return snap, []
+
+
+def restore(model: keras.Model, snapshot: Snapshot) -> None:
+    """Writes `snapshot` back into the model and its optimizer.
+
+    The learning rate is left as it is (a policy may have lowered it), and so
+    are SafeOptimizer's cumulative counters, which are history, not state.
+    """
+    variables = _tracked(model)
+    if len(variables) != len(snapshot.values):
+        raise ValueError(
+            "The snapshot does not match the model: it has "
+            f"{len(snapshot.values)} variables, the model and optimizer have "
+            f"{len(variables)}."
+        )
+    keep = _unchecked(model)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and isinstance(optimizer.learning_rate, keras.Variable):
+        keep.add(id(optimizer.learning_rate))
+    for v, value in zip(variables, snapshot.values, strict=True):
+        if id(v) not in keep:
+            v.assign(value)
+
+
+def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
+    """Writes `snapshot` atomically into `directory`; returns the file path."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, SNAPSHOT_FILE)
+    meta = {"names": snapshot.names, "epoch": snapshot.epoch, "step": snapshot.step}
+    fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(
+                f,
+                __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                **{f"v{i}": v for i, v in enumerate(snapshot.values)},
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX and Windows
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def load(directory: str | os.PathLike) -> Snapshot:
+    """Reads the snapshot that `save` wrote into `directory`.
+
+    Example:
+
+    >>> import tempfile, numpy as np
+    >>> from keras_nanguard import snapshots
+    >>> d = tempfile.mkdtemp()
+    >>> _ = snapshots.save(snapshots.Snapshot([np.ones(2)], ["w"], 0, 5), d)
+    >>> snapshots.load(d).step
+    5
+    """
+    path = os.path.join(os.fspath(directory), SNAPSHOT_FILE)
+    try:
+        with np.load(path) as data:
+            meta = json.loads(bytes(data["__meta__"]).decode())
+            values = [data[f"v{i}"] for i in range(len(meta["names"]))]
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as err:
+        raise ValueError(
+            f"No readable keras-nanguard snapshot in {directory!s}. Received: "
+            f"{path} ({err})"
+        ) from err
+    return Snapshot(values, meta["names"], meta["epoch"], meta["step"])
