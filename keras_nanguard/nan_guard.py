@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from keras_nanguard import snapshots
+from keras_nanguard.diagnosis import Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
 
 POLICIES = ("rollback", "stop", "raise", "warn")
@@ -466,6 +467,16 @@ class NaNGuard(keras.callbacks.Callback):
         self._open = inc if batch >= 0 else None
         if inc.batch_data is not None:
             inc.diagnosis = _diagnose(self.model, inc.batch_data)
+            if isinstance(inc.diagnosis, Diagnosis) and not inc.diagnosis.healthy:
+                inc.detail += (
+                    f" Diagnosis: {inc.diagnosis.stage} stage"
+                    + (
+                        f", layer '{inc.diagnosis.layer}'"
+                        if inc.diagnosis.layer
+                        else ""
+                    )
+                    + f", {', '.join(inc.diagnosis.causes)}."
+                )
         if self.verbose:
             _LOG.warning("NaNGuard: %s", inc)
         self._write_report()
@@ -696,13 +707,9 @@ class NaNGuard(keras.callbacks.Callback):
 
 
 # ------------------------------------------------------------------ helpers
-def _diagnose(model: keras.Model, batch: Any) -> Any:
+def _diagnose(model: keras.Model, batch: Any) -> Diagnosis | str:
     try:
-        from keras_nanguard.diagnosis import diagnose
-    except ImportError:  # diagnose() is optional for the guard
-        return None
-    try:
-        return diagnose(model, *batch)
+        return diagnose(model, *batch, optimizer=model.optimizer)
     except Exception as err:  # a report must never break training
         return f"diagnose() failed: {type(err).__name__}: {err}"
 

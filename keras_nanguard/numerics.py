@@ -11,9 +11,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 Tensor = Any
+
+__all__ = [
+    "all_finite",
+    "global_norm",
+    "policy_log_prob",
+    "safe_div",
+    "safe_log",
+    "safe_norm",
+    "safe_sqrt",
+    "stable_log_softmax",
+]
 
 
 def _dense_values(x: Tensor) -> Tensor:
@@ -188,3 +200,226 @@ def all_finite(tensors: Sequence[Tensor | None] | Tensor) -> Tensor:
 
 def _is_float(x: Tensor) -> bool:
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype))
+
+
+# ----------------------------------------------------------- safe arithmetic
+def safe_log(x: Tensor, eps: float | None = None) -> Tensor:
+    r"""`log(max(x, eps))`: finite value and finite gradient at and below 0.
+
+    .. math:: \mathrm{safe\_log}(x) = \log(\max(x, \epsilon))
+
+    The gradient is `1/x` above `eps` and 0 below it (the log of a
+    probability that underflowed to 0 no longer yields `-inf` and NaN
+    gradients). Prefer log-space computations (`stable_log_softmax`) where
+    you can: they lose nothing.
+
+    Args:
+        x: tensor.
+        eps: the floor. Defaults to `keras.backend.epsilon()` (1e-7).
+
+    Returns:
+        A tensor like `x`.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> [round(float(v), 3) for v in ng.ops.safe_log([0.0, 1.0])]
+    [-16.118, 0.0]
+    """
+    x = ops.convert_to_tensor(x)
+    eps = keras.backend.epsilon() if eps is None else eps
+    return ops.log(ops.maximum(x, ops.cast(eps, x.dtype)))
+
+
+def safe_div(x: Tensor, y: Tensor, eps: float = 0.0) -> Tensor:
+    """`x / y`, with 0 where `y == 0` (or `|y|` floored at `eps`), finite gradients.
+
+    With `eps=0` the result is 0 wherever `y` is 0 (like `tf.math.divide_no_nan`)
+    and the gradients there are 0, not NaN; near 0 the true gradient
+    `-x / y**2` can still overflow (at `|y| < ~1e-19`). With `eps > 0` the
+    denominator's magnitude is floored at `eps`, keeping its sign (0 counts as
+    positive), which bounds both the value and the gradient.
+
+    Args:
+        x: numerator.
+        y: denominator.
+        eps: float >= 0. Defaults to 0.
+
+    Returns:
+        A tensor broadcast from `x` and `y`.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> [float(v) for v in ng.ops.safe_div([1.0, 1.0], [0.0, 4.0])]
+    [0.0, 0.25]
+    """
+    if eps < 0:
+        raise ValueError(f"`eps` must be >= 0. Received: eps={eps}")
+    x = ops.convert_to_tensor(x)
+    y = ops.convert_to_tensor(y, dtype=x.dtype)
+    if eps > 0:
+        sign = ops.where(y < 0, -1.0, 1.0)
+        return x / (sign * ops.maximum(ops.abs(y), ops.cast(eps, y.dtype)))
+    zero = ops.equal(y, 0)
+    # Double `where`: the unselected branch must not be x/0 either, or its
+    # gradient (0 * inf) is NaN.
+    return ops.where(
+        zero, ops.zeros_like(x / ops.ones_like(y)), x / ops.where(zero, 1, y)
+    )
+
+
+def safe_sqrt(x: Tensor) -> Tensor:
+    r"""`sqrt(max(x, 0))` with a finite gradient at 0 (where `sqrt'` is infinite).
+
+    The value is exact (0 at 0); the gradient is :math:`1/(2\sqrt{x})` for
+    `x > 0` and 0 for `x <= 0`.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> [float(v) for v in ng.ops.safe_sqrt([0.0, 4.0, -1.0])]
+    [0.0, 2.0, 0.0]
+    """
+    x = ops.convert_to_tensor(x)
+    positive = x > 0
+    return ops.where(positive, ops.sqrt(ops.where(positive, x, ops.ones_like(x))), 0)
+
+
+def safe_norm(
+    x: Tensor, axis: int | tuple[int, ...] | None = None, keepdims: bool = False
+) -> Tensor:
+    """L2 norm with a finite (zero) gradient at the zero vector.
+
+    For weight normalisation `v * g / norm(v)` use it with `safe_div`: a
+    kernel column that reaches 0 then yields 0, not NaN.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> float(ng.ops.safe_norm([3.0, 4.0]))
+    5.0
+    """
+    x = ops.convert_to_tensor(x)
+    return safe_sqrt(ops.sum(ops.square(x), axis=axis, keepdims=keepdims))
+
+
+# -------------------------------------------------------------- log-softmax
+def _softmax_parts(x: Tensor, axis: int | tuple[int, ...], log: bool) -> Tensor:
+    """Softmax (or log-softmax) of float32 logits that may hold +-inf.
+
+    A row with +inf logits shares the probability among them; a row with no
+    finite maximum (all -inf, i.e. fully masked) gives 0 (log: -inf); -inf
+    entries give 0 (log: -inf). NaN logits make their row NaN. Under XLA
+    (JAX) this careful form fuses into one softmax-like kernel and always
+    runs; on TensorFlow and torch the backend's fused kernel runs whenever
+    every row's maximum is finite (torch decides in Python, as it runs
+    eagerly), and the careful form otherwise.
+    """
+    backend = keras.backend.backend()
+    if backend == "torch" and isinstance(axis, int):
+        import torch
+
+        # Direct calls: at these sizes keras.ops dispatch would dominate.
+        m = torch.amax(x, dim=axis, keepdim=True)
+        if bool(torch.isfinite(m).all()):
+            return torch.log_softmax(x, axis) if log else torch.softmax(x, axis)
+    else:
+        m = ops.max(x, axis=axis, keepdims=True)
+
+    def careful():
+        pos_inf = ops.isinf(m) & (m > 0)
+        m_safe = ops.where(ops.isfinite(m), m, 0.0)
+        # In a row with +inf logits, those become 0 and the rest -inf, so
+        # exp/sum shares the probability among them; the gradient there is 0
+        # (the unselected branch has no inf/NaN for it to multiply by 0).
+        z = ops.where(
+            pos_inf,
+            ops.where(x == np.inf, 0.0, -np.inf),
+            x - ops.stop_gradient(m_safe),
+        )
+        s = ops.sum(ops.exp(z), axis=axis, keepdims=True)
+        s_safe = ops.where(s == 0, 1.0, s)  # a NaN sum stays NaN
+        return z - ops.log(s_safe) if log else ops.exp(z) / s_safe
+
+    if backend in ("jax", "torch"):
+        return careful()
+    fused = ops.log_softmax if log else ops.softmax
+    return ops.cond(ops.all(ops.isfinite(m)), lambda: fused(x, axis=axis), careful)
+
+
+def stable_log_softmax(
+    logits: Tensor, axis: int | tuple[int, ...] = -1, mask: Tensor | None = None
+) -> Tensor:
+    r"""Log-probabilities from logits, computed in float32 without overflow.
+
+    .. math:: \log p_i = x_i - \log\sum_j e^{x_j}
+
+    Never NaN for finite or infinite logits; gradients are finite. Masked
+    entries (`mask` False) and `-inf` logits get probability 0, so their
+    log-probability is `-inf`; a row with several `+inf` logits shares the
+    probability among them. Use `policy_log_prob` for the log-probability of
+    chosen actions and the entropy, which stay finite.
+
+    Args:
+        logits: float tensor (any float dtype; computed in float32).
+        axis: the class axis (int or tuple). Defaults to -1.
+        mask: optional bool tensor broadcastable to `logits`, True = allowed.
+
+    Returns:
+        A float32 tensor like `logits`.
+
+    Example:
+
+    >>> import numpy as np, keras_nanguard as ng
+    >>> logp = ng.ops.stable_log_softmax(np.array([[0.0, -120.0]]))
+    >>> [round(float(v), 2) for v in logp[0]]   # log(softmax) would give -inf
+    [0.0, -120.0]
+    """
+    x = ops.cast(ops.convert_to_tensor(logits), "float32")
+    if mask is not None:
+        x = ops.where(ops.cast(mask, "bool"), x, -np.inf)
+    return _softmax_parts(x, axis, log=True)
+
+
+def policy_log_prob(
+    logits: Tensor,
+    actions: Tensor,
+    *,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""`log pi(a|s)` of the taken actions and the policy entropy, both finite.
+
+    .. math:: \log\pi(a|s) = x_a - \log\sum_j e^{x_j}, \qquad
+              H = -\sum_j \pi_j \log \pi_j
+
+    For a categorical policy over the last axis of `logits`. Taking the log of
+    the whole softmax and then gathering (`log(probs)[a]`) gives NaN
+    gradients as soon as any probability underflows to 0 (0 * inf in
+    backward), and an entropy bonus `-sum(p * log p)` is NaN for the same
+    reason; here terms with `p == 0` contribute exactly 0. Masked actions
+    (`mask` False) have probability 0.
+
+    Args:
+        logits: `(batch, n_actions)` float tensor.
+        actions: `(batch,)` integer tensor of taken actions.
+        mask: optional `(batch, n_actions)` bool tensor, True = allowed.
+
+    Returns:
+        `(log_prob, entropy)`, two float32 `(batch,)` tensors.
+
+    Example:
+
+    >>> import numpy as np, keras_nanguard as ng
+    >>> logits = np.array([[0.0, -200.0], [1.0, 1.0]], "float32")
+    >>> logp, h = ng.ops.policy_log_prob(logits, np.array([1, 0]))
+    >>> [round(float(v), 3) for v in logp], [round(float(v), 3) + 0.0 for v in h]
+    ([-200.0, -0.693], [0.0, 0.693])
+    """
+    logp = stable_log_softmax(logits, axis=-1, mask=mask)
+    actions = ops.cast(ops.convert_to_tensor(actions), "int32")
+    taken = ops.take_along_axis(logp, ops.expand_dims(actions, -1), axis=-1)[..., 0]
+    p = ops.exp(logp)
+    possible = p > 0
+    plogp = ops.where(possible, p * ops.where(possible, logp, 0.0), 0.0)
+    return taken, -ops.sum(plogp, axis=-1)

@@ -74,16 +74,19 @@ class Snapshot:
         return sum(v.nbytes for v in self.values)
 
 
-def host_view(v: keras.Variable) -> np.ndarray:
-    """`v`'s value on the host, sharing memory where the backend allows.
+def host_view(v: Any) -> np.ndarray:
+    """The value of a variable or tensor on the host, sharing memory where the
+    backend allows.
 
     Only for reading at once: on torch (CPU) it changes with `v`.
     """
     backend = keras.backend.backend()
-    value = v.value
+    value = v.value if isinstance(v, keras.Variable) else v
     if backend == "tensorflow":
-        return np.asarray(value.read_value())  # a read is a copy-on-write view
-    if backend == "torch":
+        if hasattr(value, "read_value"):
+            value = value.read_value()  # a read is a copy-on-write view
+        return np.asarray(value)
+    if backend == "torch" and hasattr(value, "detach"):
         return value.detach().cpu().numpy()
     return np.asarray(value)
 

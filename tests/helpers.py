@@ -28,3 +28,34 @@ def all_finite(values) -> bool:
 def inner_state(opt):
     """The inner optimizer's variables (moments, iterations, ...) as NumPy."""
     return numpy(opt.inner_optimizer.variables)
+
+
+def grad(fn, x, upstream=None):
+    """d/dx of sum(fn(x) * upstream), as NumPy, on the current backend."""
+    import keras
+    from keras import ops
+
+    x = np.asarray(x)
+    backend = keras.backend.backend()
+
+    def objective(t):
+        out = fn(t)
+        up = ops.ones_like(out) if upstream is None else ops.cast(upstream, out.dtype)
+        return ops.sum(ops.cast(out * up, "float32"))
+
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        t = tf.Variable(x)
+        with tf.GradientTape() as tape:
+            value = objective(t)
+        return np.asarray(tape.gradient(value, t))
+    if backend == "jax":
+        import jax
+
+        return np.asarray(jax.grad(objective)(ops.convert_to_tensor(x)))
+    import torch
+
+    t = torch.tensor(x, requires_grad=True)
+    objective(t).backward()
+    return t.grad.detach().numpy()

@@ -372,9 +372,14 @@ def test_replay_keeps_the_incident_batch():
         y=y,
         batch_size=16,
     )
-    bx, by = guard.incidents[0].batch_data
+    inc = guard.incidents[0]
+    bx, by = inc.batch_data
     np.testing.assert_array_equal(bx, x_bad[32:48])
     np.testing.assert_array_equal(by, y[32:48])
+    # ... and diagnosed: the NaN is in the data.
+    assert (inc.diagnosis.stage, inc.diagnosis.causes) == ("input", ["nonfinite_input"])
+    assert "Diagnosis: input stage, nonfinite_input." in inc.detail
+    assert inc.to_dict()["diagnosis"]["stage"] == "input"
 
 
 # ------------------------------------------------------- snapshots on disk

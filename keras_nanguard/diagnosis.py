@@ -1,0 +1,804 @@
+"""diagnose(): where a batch first goes non-finite, and why, in words."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_nanguard import snapshots
+
+STAGES = ("input", "target", "weights", "forward", "loss", "backward", "update")
+
+#: The cause vocabulary: code -> what it means.
+CAUSES: dict[str, str] = {
+    "nonfinite_input": "the inputs already hold NaN or inf",
+    "nonfinite_target": "the targets already hold NaN or inf",
+    "nonfinite_weights": "the weights or the optimizer state are already NaN or inf",
+    "activation_overflow": "finite inputs, but a layer's output overflows to inf",
+    "invalid_arithmetic": "an operation turned finite or infinite values into NaN "
+    "(inf - inf, 0 * inf, 0 / 0, a softmax over an all -inf row)",
+    "log_of_zero": "a probability that is exactly 0 reaches a log",
+    "loss_overflow": "the predictions are finite but the loss is not: too large "
+    "targets or predictions",
+    "nonfinite_gradient": "forward pass and loss are finite, a gradient is not "
+    "(a division by a norm that is 0, sqrt at 0, 0 * inf in backward)",
+    "exploding_gradient": "the gradients are finite but their global norm is huge",
+    "update_overflow": "the gradients are finite, but the optimizer's update would "
+    "make weights or optimizer state non-finite",
+}
+
+HINTS: dict[str, list[str]] = {
+    "nonfinite_input": [
+        "Clean or filter the data before training (np.isfinite on each batch).",
+        "SafeOptimizer rejects the steps such batches would poison; NaNGuard "
+        "records them.",
+    ],
+    "nonfinite_target": [
+        "Check how targets (rewards, returns, labels) are computed: a division "
+        "by zero or a log of 0 upstream is typical.",
+    ],
+    "nonfinite_weights": [
+        "The state is already broken: restore a good checkpoint (NaNGuard keeps "
+        "one) and find the step that broke it (NaNGuard's incidents).",
+    ],
+    "activation_overflow": [
+        "Lower the learning rate, and clip gradients "
+        "(SafeOptimizer(optimizer, clipnorm=1.0)).",
+        "Normalise activations (BatchNormalization or LayerNormalization).",
+    ],
+    "invalid_arithmetic": [
+        "Guard divisions and norms: keras_nanguard.ops.safe_div and safe_norm "
+        "(zero instead of 0/0).",
+        "For a masked softmax use keras_nanguard.StableSoftmax (a fully masked "
+        "row gives zeros, not NaN).",
+    ],
+    "log_of_zero": [
+        "Compute log-probabilities in log space: StableSoftmax(log_probs=True), "
+        "or keras_nanguard.ops.policy_log_prob(logits, actions) for log pi(a|s) "
+        "and the entropy, instead of log(softmax(...)).",
+        "keras_nanguard.ops.safe_log as a last resort; a smaller learning rate "
+        "or an entropy bonus keeps the policy from saturating.",
+    ],
+    "loss_overflow": [
+        "Normalise targets and returns (e.g. (G - mean) / std), or use a Huber "
+        "loss instead of the squared error.",
+    ],
+    "nonfinite_gradient": [
+        "Look for sqrt, norm or division by a quantity that reaches 0: "
+        "keras_nanguard.ops.safe_sqrt, safe_norm and safe_div have finite "
+        "gradients at 0.",
+    ],
+    "exploding_gradient": [
+        "Clip gradients (SafeOptimizer(optimizer, clipnorm=1.0)) and lower the "
+        "learning rate.",
+        "Normalise inputs and targets.",
+    ],
+    "update_overflow": [
+        "Lower the learning rate. SafeOptimizer rejects such updates and can back "
+        "the learning rate off (lr_backoff=0.5).",
+    ],
+}
+
+#: Global gradient norm above `_EXPLODING * (1 + global weight norm)` counts
+#: as exploding.
+_EXPLODING = 1e4
+_SATURATED = 1e-7
+
+
+@dataclasses.dataclass
+class LayerStats:
+    """Per-layer figures from the diagnosed batch."""
+
+    name: str
+    class_name: str
+    max_abs: float | None = None
+    zero_fraction: float | None = None
+    saturated_fraction: float | None = None
+    nonfinite: bool = False
+    grad_norm: float | None = None
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """Where a batch first stops being finite, why, and what to change.
+
+    Attributes:
+        stage: one of `STAGES` (`"input"`, `"target"`, `"weights"`,
+            `"forward"`, `"loss"`, `"backward"`, `"update"`), or `None` when
+            the batch is healthy.
+        layer: the name (path) of the first layer involved, or `None`.
+        causes: codes from `CAUSES`, most likely first.
+        hints: sentences saying what to change.
+        detail: what was found, in words.
+        layers: `LayerStats` for every layer, in forward order.
+        loss: the loss of the batch (may be NaN/inf), or `None`.
+        grad_norm: global norm of the gradients, or `None`.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> ng.Diagnosis(stage=None).healthy
+    True
+    """
+
+    stage: str | None
+    layer: str | None = None
+    causes: list[str] = dataclasses.field(default_factory=list)
+    hints: list[str] = dataclasses.field(default_factory=list)
+    detail: str = ""
+    layers: list[LayerStats] = dataclasses.field(default_factory=list)
+    loss: float | None = None
+    grad_norm: float | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.stage is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (NaN/inf as strings)."""
+        return _jsonable(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
+        data = dict(data)
+        data["layers"] = [LayerStats(**_unjson(s)) for s in data.get("layers", [])]
+        for key in ("loss", "grad_norm"):
+            data[key] = _unjson_value(data.get(key))
+        return cls(**data)
+
+    def __str__(self) -> str:
+        if self.healthy:
+            return (
+                "Diagnosis: healthy. Inputs, targets, weights, every layer's "
+                f"output, the loss ({_fmt(self.loss)}) and the gradients "
+                f"(global norm {_fmt(self.grad_norm)}) are finite."
+            )
+        where = f" in layer '{self.layer}'" if self.layer else ""
+        lines = [
+            f"Diagnosis: the batch first goes non-finite at the {self.stage} "
+            f"stage{where}.",
+            f"  What: {self.detail}",
+            "  Likely cause: "
+            + "; then ".join(f"{c} ({CAUSES[c]})" for c in self.causes)
+            + ".",
+        ]
+        lines += [f"  Do: {h}" for h in self.hints]
+        return "\n".join(lines)
+
+
+def diagnose(
+    model: keras.Model,
+    x: Any,
+    y: Any = None,
+    *,
+    loss: Any = None,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    sample_weight: Any = None,
+) -> Diagnosis:
+    """Re-runs one batch eagerly and finds where, and why, it goes non-finite.
+
+    It checks, in order: the inputs, the targets, the weights (and the
+    optimizer's state), each layer's output in forward order, the loss, the
+    gradients (the first non-finite one going backward), and, given an
+    optimizer, the update it would make. Training pays nothing for it; the
+    model, its optimizer and its metrics are left exactly as they were.
+
+    Layers are followed into nested models (Sequential, functional and
+    subclassed: whatever `model.layers` lists, recursively); a custom layer
+    that holds sublayers without being a `Model` is seen as one unit. Where a
+    weightless layer (a norm, a sqrt) breaks the backward pass, the layer
+    named is the nearest layer before it that has weights.
+
+    Args:
+        model: a built Keras model.
+        x: one batch of inputs.
+        y: its targets, or `None`.
+        loss: a Keras loss, its name, or a callable `(y_true, y_pred)`;
+            defaults to the model's compiled loss (with its regularisation).
+        optimizer: optionally, the optimizer whose update to check
+            (SafeOptimizer and LossScaleOptimizer are looked through).
+        sample_weight: optional sample weights for the loss.
+
+    Returns:
+        A `Diagnosis`.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_nanguard as ng
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> report = ng.diagnose(model, np.array([[1.0, np.nan]]), np.ones((1, 1)),
+    ...                      loss="mse")
+    >>> report.stage, report.causes
+    ('input', ['nonfinite_input'])
+    """
+    # As in fit: the loss sees backend tensors, not NumPy arrays.
+    y, sample_weight = _to_tensors(y), _to_tensors(sample_weight)
+    loss_of = _loss_function(model, loss, x, y, sample_weight)
+    if not model.built:
+        model(x, training=False)  # build it, without touching any state
+    leaves = _leaf_layers(model)
+    optimizer_vars = list(optimizer.variables) if optimizer is not None else []
+    saved = [
+        np.array(snapshots.host_view(v), copy=True)
+        for v in list(model.weights) + optimizer_vars
+    ]
+    try:
+        return _diagnose(model, x, y, loss_of, leaves, optimizer)
+    finally:
+        for v, value in zip(list(model.weights) + optimizer_vars, saved, strict=True):
+            v.assign(value)
+
+
+def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
+    for stage, cause, data in (
+        ("input", "nonfinite_input", x),
+        ("target", "nonfinite_target", y),
+    ):
+        bad = _nonfinite_arrays(data)
+        if bad:
+            return _result(stage, None, [cause], f"{stage}s: {bad}")
+    for name, layer in leaves:
+        bad = [v.name for v in layer.weights if not _finite(_host(v))]
+        if bad:
+            return _result(
+                "weights",
+                name,
+                ["nonfinite_weights"],
+                f"non-finite weights {bad} in layer '{name}'",
+            )
+    if optimizer is not None:
+        bad = [
+            getattr(v, "path", v.name)
+            for v in optimizer.variables
+            if not _finite(_host(v))
+        ]
+        if bad:
+            return _result(
+                "weights",
+                None,
+                ["nonfinite_weights"],
+                f"non-finite optimizer state: {bad[:5]}",
+            )
+
+    # Forward, layer by layer.
+    records, y_pred, loss_tensor, gradients = _record_forward(model, x, leaves, loss_of)
+    stats = [_layer_stats(name, layer, out) for name, layer, _, out in records]
+    for i, ((name, layer, inputs, out), st) in enumerate(
+        zip(records, stats, strict=True)
+    ):
+        if st.nonfinite:
+            upto = [rec[1] for rec in records[: i + 1]]
+            return _forward_cause(name, layer, inputs, out, stats, upto)
+
+    # Loss.
+    loss_value = _to_float(loss_tensor)
+    probs = _probability_like(y_pred, records[-1][1] if records else None)
+    out_name = records[-1][0] if records else None
+    if not math.isfinite(loss_value):
+        if probs is not None and _clipped_loss_finite(loss_of, y_pred):
+            return _result(
+                "loss",
+                out_name,
+                ["log_of_zero"],
+                f"loss {loss_value}: predicted probabilities include exact "
+                f"0 ({_fraction_zero(probs):.1%} of entries) and a log "
+                "takes them",
+                stats,
+                loss_value,
+            )
+        if _scaled_loss_finite(loss_of, y_pred, y):
+            return _result(
+                "loss",
+                out_name,
+                ["loss_overflow"],
+                f"loss {loss_value} with finite predictions (max |y_pred| "
+                f"{_max_abs(y_pred):.3g}, max |y| {_max_abs(y):.3g})",
+                stats,
+                loss_value,
+            )
+        return _result(
+            "loss",
+            out_name,
+            ["invalid_arithmetic"],
+            f"loss {loss_value} with finite predictions",
+            stats,
+            loss_value,
+        )
+
+    # Backward.
+    grads = gradients()
+    tv = model.trainable_variables
+    owner = _owners(leaves)
+    norms = [
+        None if g is None else float(np.sqrt(np.sum(np.square(g, dtype=np.float64))))
+        for g in grads
+    ]
+    for st in stats:
+        per_layer = [
+            n
+            for v, n in zip(tv, norms, strict=True)
+            if owner.get(id(v)) == st.name and n is not None
+        ]
+        st.grad_norm = (
+            float(np.sqrt(sum(n * n for n in per_layer))) if per_layer else None
+        )
+    global_norm = float(np.sqrt(sum(n * n for n in norms if n is not None)))
+    bad = [i for i, g in enumerate(grads) if g is not None and not _finite(g)]
+    if bad:
+        order = {name: k for k, (name, _) in enumerate(leaves)}
+        last = max(bad, key=lambda i: order.get(owner.get(id(tv[i])), -1))
+        layer = owner.get(id(tv[last]))
+        causes = ["nonfinite_gradient"]
+        if probs is not None and _clipped_gradients_finite(model, x, loss_of, probs):
+            causes = ["log_of_zero", "nonfinite_gradient"]
+        return _result(
+            "backward",
+            layer,
+            causes,
+            f"forward pass and loss ({_fmt(loss_value)}) are finite, but the "
+            f"gradient of '{_path(tv[last])}' is not (going backward, the "
+            f"first of {len(bad)} non-finite gradients)",
+            stats,
+            loss_value,
+            global_norm,
+        )
+    weight_norm = float(
+        np.sqrt(sum(np.sum(np.square(_host(v), dtype=np.float64)) for v in tv))
+    )
+    if global_norm > _EXPLODING * (1.0 + weight_norm):
+        biggest = max(
+            (s for s in stats if s.grad_norm), key=lambda s: s.grad_norm, default=None
+        )
+        return _result(
+            "backward",
+            biggest.name if biggest else None,
+            ["exploding_gradient"],
+            f"global gradient norm {global_norm:.3g} against a weight norm "
+            f"of {weight_norm:.3g}",
+            stats,
+            loss_value,
+            global_norm,
+        )
+
+    # Update.
+    if optimizer is not None:
+        bad_after = _probe_update(model, optimizer, grads, leaves)
+        if bad_after:
+            layer, names = bad_after
+            return _result(
+                "update",
+                layer,
+                ["update_overflow"],
+                f"one update with the gradients (finite, global norm "
+                f"{global_norm:.3g}) makes {names} non-finite",
+                stats,
+                loss_value,
+                global_norm,
+            )
+    return Diagnosis(stage=None, layers=stats, loss=loss_value, grad_norm=global_norm)
+
+
+# ------------------------------------------------------------------- causes
+def _forward_cause(name, layer, inputs, out, stats, upto) -> Diagnosis:
+    values = _host_tree(out)
+    has_nan = any(np.isnan(v).any() for v in values)
+    has_inf = any(np.isinf(v).any() for v in values)
+    finite_in = not _nonfinite_arrays(inputs)
+    big = max(
+        (float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in values),
+        default=0.0,
+    )
+    if has_inf or big > 1e30:
+        causes = ["activation_overflow"] + (["invalid_arithmetic"] if has_nan else [])
+    else:
+        causes = ["invalid_arithmetic"]
+    detail = (
+        f"layer '{name}' ({type(layer).__name__}) outputs "
+        f"{'NaN' if has_nan else ''}{' and ' if has_nan and has_inf else ''}"
+        f"{'inf' if has_inf else ''} from {'finite' if finite_in else 'non-finite'} "
+        "inputs"
+    )
+    hints = _overflow_hints(upto) if "activation_overflow" in causes else []
+    return _result("forward", name, causes, detail, stats, extra_hints=hints)
+
+
+_UNBOUNDED = ("relu", "elu", "selu", "leaky_relu", "gelu", "softplus", "exponential")
+
+
+def _overflow_hints(upto: list) -> list[str]:
+    """Hints for an overflow reached through the layers `upto` (in order)."""
+    hints = []
+    unbounded = [
+        (lay.name, getattr(lay.activation, "__name__", ""))
+        for lay in upto
+        if getattr(getattr(lay, "activation", None), "__name__", "") in _UNBOUNDED
+    ]
+    if unbounded:
+        names = ", ".join(f"'{n}' ({a})" for n, a in unbounded)
+        glorot = [
+            lay.name
+            for lay in upto
+            if "Glorot" in type(getattr(lay, "kernel_initializer", None)).__name__
+        ]
+        hints.append(
+            f"Unbounded activations let the values grow layer after layer: {names}. "
+            "Use He initialisation (kernel_initializer='he_normal') with ReLU/ELU"
+            + (f" (these use Glorot: {', '.join(glorot)})" if glorot else "")
+            + ", smaller weight scales (e.g. a smaller g and b in weight-normalised "
+            "layers), or a bounded activation (tanh) where values must stay small."
+        )
+    weights = [
+        float(np.max(np.abs(_host(w)), initial=0.0))
+        for lay in upto
+        for w in lay.weights
+    ]
+    if weights and max(weights) > 1e3:
+        hints.append(
+            f"The largest weight on the way is {max(weights):.3g}: the weights "
+            "have grown; a smaller learning rate or weight decay keeps them in range."
+        )
+    return hints
+
+
+def _result(
+    stage, layer, causes, detail, stats=(), loss=None, grad_norm=None, extra_hints=()
+) -> Diagnosis:
+    hints = list(extra_hints)
+    for cause in causes:
+        hints += [h for h in HINTS[cause] if h not in hints]
+    return Diagnosis(
+        stage=stage,
+        layer=layer,
+        causes=list(causes),
+        hints=hints,
+        detail=detail,
+        layers=list(stats),
+        loss=loss,
+        grad_norm=grad_norm,
+    )
+
+
+# ------------------------------------------------------------ model access
+def _leaf_layers(model: keras.Model) -> list[tuple[str, keras.layers.Layer]]:
+    out: list[tuple[str, keras.layers.Layer]] = []
+
+    def walk(layer, prefix):
+        if isinstance(layer, keras.layers.InputLayer):
+            return
+        subs = (
+            getattr(layer, "layers", None) if isinstance(layer, keras.Model) else None
+        )
+        if subs:
+            for sub in subs:
+                walk(sub, f"{prefix}{layer.name}/")
+        else:
+            out.append((prefix + layer.name, layer))
+
+    for layer in getattr(model, "layers", []):
+        walk(layer, "")
+    return out
+
+
+def _owners(leaves) -> dict[int, str]:
+    return {id(v): name for name, layer in leaves for v in layer.trainable_weights}
+
+
+def _record_forward(model, x, leaves, loss_of) -> tuple:
+    """One forward pass that records every leaf layer's input and output, and
+    the loss; returns `(records, y_pred, loss, gradients)` where `gradients()`
+    differentiates that same pass where the backend can (TensorFlow's tape,
+    torch's autograd) and runs a functional pass on JAX."""
+    records = []
+
+    def wrap(name, layer):
+        original = layer.call
+
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            inputs = args[0] if args else next(iter(kwargs.values()), None)
+            records.append((name, layer, inputs, out))
+            return out
+
+        layer.call = call
+
+    for name, layer in leaves:
+        wrap(name, layer)
+    backend = keras.backend.backend()
+    try:
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                loss = loss_of(y_pred)
+
+            def gradients():
+                return _numpy_grads(tape.gradient(loss, model.trainable_variables))
+
+        elif backend == "torch":
+            for v in model.trainable_variables:
+                v.value.grad = None
+            y_pred = model(x, training=True)
+            loss = loss_of(y_pred)
+
+            def gradients():
+                loss.backward()
+                grads = [v.value.grad for v in model.trainable_variables]
+                for v in model.trainable_variables:
+                    v.value.grad = None
+                return _numpy_grads(grads)
+
+        else:
+            y_pred = model(x, training=True)
+            loss = loss_of(y_pred)
+
+            def gradients():
+                return _gradients(model, x, loss_of)
+
+    finally:
+        for _, layer in leaves:
+            del layer.call  # back to the class's method
+    return records, y_pred, loss, gradients
+
+
+def _numpy_grads(grads) -> list[np.ndarray | None]:
+    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
+
+
+def _loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
+    if loss is None:
+        if getattr(model, "loss", None) is None:
+            raise ValueError(
+                "`loss` is needed: the model was not compiled with a loss. Pass "
+                "`loss=` (a Keras loss, its name, or a callable (y_true, y_pred)). "
+                "Received: loss=None"
+            )
+        return lambda y_pred, y_true=y: model.compute_loss(
+            x=x, y=y_true, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+    fn = keras.losses.get(loss) if isinstance(loss, str | dict) else loss
+    if not callable(fn):
+        raise TypeError(
+            "`loss` must be a Keras loss, its name, or a callable (y_true, y_pred). "
+            f"Received: loss={loss!r}"
+        )
+
+    def loss_of(y_pred, y_true=y):
+        if sample_weight is not None and isinstance(fn, keras.losses.Loss):
+            value = fn(y_true, y_pred, sample_weight=sample_weight)
+        else:
+            value = fn(y_true, y_pred)
+        value = ops.mean(value)
+        extra = model.losses
+        return value + ops.sum(ops.stack(extra)) if extra else value
+
+    return loss_of
+
+
+def _gradients(model, x, loss_of) -> list[np.ndarray | None]:
+    tv = model.trainable_variables
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            value = loss_of(model(x, training=True))
+        grads = tape.gradient(value, tv)
+    elif backend == "jax":
+        import jax
+
+        def objective(values):
+            with keras.StatelessScope(state_mapping=list(zip(tv, values, strict=True))):
+                return loss_of(model(x, training=True))
+
+        grads = jax.grad(objective)([v.value for v in tv])
+    else:
+        for v in tv:
+            v.value.grad = None
+        loss_of(model(x, training=True)).backward()
+        grads = [v.value.grad for v in tv]
+        for v in tv:
+            v.value.grad = None
+    return _numpy_grads(grads)
+
+
+def _probe_update(model, optimizer, grads, leaves):
+    while hasattr(optimizer, "inner_optimizer"):  # SafeOptimizer, LossScaleOptimizer
+        optimizer = optimizer.inner_optimizer
+    tv = model.trainable_variables
+    if not optimizer.built:
+        optimizer.build(tv)
+    saved = [np.array(snapshots.host_view(v), copy=True) for v in optimizer.variables]
+    try:
+        pairs = [
+            (ops.convert_to_tensor(g), v)
+            for g, v in zip(grads, tv, strict=True)
+            if g is not None
+        ]
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        else:
+            optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        for name, layer in leaves:
+            bad = [w.name for w in layer.trainable_weights if not _finite(_host(w))]
+            if bad:
+                return name, bad
+        bad = [
+            getattr(v, "path", v.name)
+            for v in optimizer.variables
+            if not _finite(_host(v))
+        ]
+        return (None, bad) if bad else None
+    finally:
+        for v, value in zip(optimizer.variables, saved, strict=True):
+            v.assign(value)
+
+
+# ------------------------------------------------------ counterfactual tests
+def _clipped_loss_finite(loss_of, y_pred) -> bool:
+    """Is the loss finite once probabilities are kept away from 0 and 1?"""
+    eps = 1e-7
+    return math.isfinite(_to_float(loss_of(ops.clip(y_pred, eps, 1 - eps))))
+
+
+def _clipped_gradients_finite(model, x, loss_of, probs) -> bool:
+    eps = 1e-7
+    grads = _gradients(model, x, lambda y_pred: loss_of(ops.clip(y_pred, eps, 1 - eps)))
+    return all(g is None or _finite(g) for g in grads)
+
+
+def _scaled_loss_finite(loss_of, y_pred, y) -> bool:
+    """Does the loss overflow only because of magnitudes? Re-evaluate it with
+    targets and predictions scaled down together: an overflow goes away, a
+    0/0 does not. Only for float targets of some size."""
+    big = max(_max_abs(y_pred), _max_abs(y))
+    if big < 1e3 or not all(v.dtype.kind == "f" for v in _host_tree(y)):
+        return False
+    scale = 1.0 / big
+    y_small = keras.tree.map_structure(lambda t: ops.cast(t, "float32") * scale, y)
+    return math.isfinite(
+        _to_float(loss_of(ops.cast(y_pred, "float32") * scale, y_small))
+    )
+
+
+# ------------------------------------------------------------------ helpers
+def _to_tensors(data: Any) -> Any:
+    """Backend tensors, float arrays in floatx, as Keras's data adapters do."""
+    if data is None:
+        return None
+
+    def convert(a):
+        t = ops.convert_to_tensor(a)
+        if keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype)):
+            t = ops.cast(t, keras.config.floatx())
+        return t
+
+    return keras.tree.map_structure(convert, data)
+
+
+def _host(v: Any) -> np.ndarray:
+    # A view where possible: read at once, never kept.
+    return snapshots.host_view(v)
+
+
+def _host_tree(data: Any) -> list[np.ndarray]:
+    return [_host(t) for t in keras.tree.flatten(data) if t is not None]
+
+
+def _finite(value: np.ndarray) -> bool:
+    return value.dtype.kind != "f" or bool(np.isfinite(value).all())
+
+
+def _nonfinite_arrays(data: Any) -> str:
+    if data is None:
+        return ""
+    found = []
+    for i, arr in enumerate(_host_tree(data)):
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            bad = ~np.isfinite(arr)
+            sample = int(np.argwhere(bad)[0][0]) if arr.ndim else 0
+            found.append(
+                f"array {i}: {int(bad.sum())} non-finite values "
+                f"({int(np.isnan(arr).sum())} NaN), first in sample {sample}"
+            )
+    return "; ".join(found)
+
+
+def _layer_stats(name, layer, out) -> LayerStats:
+    # Activations can be large (a conv layer's output): reductions only, on
+    # host views in the native dtype, no float64 or boolean copies on the
+    # healthy path.
+    values = [v for v in _host_tree(out) if v.dtype.kind == "f" and v.size]
+    st = LayerStats(name=name, class_name=type(layer).__name__)
+    if not values:
+        return st
+    size = sum(v.size for v in values)
+    lo = min(float(v.min()) for v in values)  # NaN and inf show up here
+    hi = max(float(v.max()) for v in values)
+    st.nonfinite = not (math.isfinite(lo) and math.isfinite(hi))
+    if st.nonfinite:
+        values = [v[np.isfinite(v)] for v in values]
+        lo = min(float(v.min(initial=np.inf)) for v in values)
+        hi = max(float(v.max(initial=-np.inf)) for v in values)
+    st.max_abs = max(abs(lo), abs(hi)) if math.isfinite(lo) else 0.0
+    st.zero_fraction = sum(v.size - np.count_nonzero(v) for v in values) / size
+    if not st.nonfinite and lo >= 0 and hi <= 1:
+        sat = sum(
+            np.count_nonzero((v < _SATURATED) | (v > 1 - _SATURATED)) for v in values
+        )
+        st.saturated_fraction = sat / size
+    return st
+
+
+def _probability_like(y_pred, last_layer) -> np.ndarray | None:
+    """The predictions, if they are probabilities: in [0, 1] and either made
+    by a softmax/sigmoid or summing to 1 along the last axis."""
+    values = _host_tree(y_pred)
+    if len(values) != 1 or values[0].dtype.kind != "f":
+        return None
+    v = values[0]
+    if not (v.size and np.isfinite(v).all() and v.min() >= 0 and v.max() <= 1):
+        return None
+    activation = getattr(getattr(last_layer, "activation", None), "__name__", "")
+    made_so = (
+        activation in ("softmax", "sigmoid") or "Softmax" in type(last_layer).__name__
+    )
+    sums_to_one = (
+        v.ndim > 1 and v.shape[-1] > 1 and np.allclose(v.sum(-1), 1, atol=1e-3)
+    )
+    return v if made_so or sums_to_one else None
+
+
+def _fraction_zero(v: np.ndarray) -> float:
+    return float(np.mean(v == 0))
+
+
+def _max_abs(data) -> float:
+    values = [v for v in _host_tree(data)] if data is not None else []
+    return max(
+        (
+            float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0))
+            for v in values
+            if v.dtype.kind == "f"
+        ),
+        default=0.0,
+    )
+
+
+def _to_float(value) -> float:
+    return float(np.asarray(ops.convert_to_numpy(value)).astype(np.float64).mean())
+
+
+def _path(v) -> str:
+    return getattr(v, "path", None) or v.name
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return obj
+
+
+def _unjson_value(value: Any) -> Any:
+    return float(value) if value in ("nan", "inf", "-inf") else value
+
+
+def _unjson(data: dict) -> dict:
+    return {k: _unjson_value(v) for k, v in data.items()}

@@ -1,0 +1,355 @@
+"""diagnose(): a corpus of broken models, one or more per cause code, and
+healthy models that must not raise a false alarm. On every backend."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_nanguard as ng
+from keras_nanguard.diagnosis import CAUSES, STAGES
+from tests import models
+from tests.helpers import assert_bit_identical, numpy
+
+
+def _mlp(activation="relu", out=1, init="glorot_uniform"):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation, kernel_initializer=init, name="hidden1"),
+            keras.layers.Dense(8, activation, kernel_initializer=init, name="hidden2"),
+            keras.layers.Dense(out, name="out"),
+        ]
+    )
+
+
+def _xy(n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 4)).astype("float32"), rng.standard_normal(
+        (n, 1)
+    ).astype("float32")
+
+
+def _saturated_actor():
+    """The actor after a too-high learning rate: the softmax has saturated,
+    one action's probability is exactly 0."""
+    actor = models.actor()
+    w = np.zeros((32, 2), "float32")
+    w[:, 0], w[:, 1] = 1e3, -1e3
+    actor.get_layer("policy").kernel.assign(w)
+    x = np.random.default_rng(0).random((4, 36, 64, 3)).astype("float32")
+    return actor, x
+
+
+class _Norm(keras.layers.Layer):
+    def call(self, x):
+        return ops.sqrt(ops.sum(ops.square(x), axis=-1, keepdims=True))
+
+
+# ------------------------------------------------------------------ corpus
+def case_input():
+    x, y = _xy()
+    x[3, 2] = np.nan
+    return _mlp(), x, y, {"loss": "mse"}, ("input", None, "nonfinite_input")
+
+
+def case_target():
+    x, y = _xy()
+    y[5, 0] = np.inf
+    return _mlp(), x, y, {"loss": "mse"}, ("target", None, "nonfinite_target")
+
+
+def case_weights():
+    model = _mlp()
+    model.get_layer("hidden2").kernel.assign(np.full((8, 8), np.nan, "float32"))
+    x, y = _xy()
+    return model, x, y, {"loss": "mse"}, ("weights", "hidden2", "nonfinite_weights")
+
+
+def case_activation_overflow():
+    model = _mlp()
+    model.get_layer("hidden1").kernel.assign(np.full((4, 8), 1e37, "float32"))
+    x, y = _xy()
+    x = np.abs(x) + 10  # 4 * 10 * 1e37 > 3.4e38
+    return model, x, y, {"loss": "mse"}, ("forward", "hidden1", "activation_overflow")
+
+
+def case_critic_relu():
+    """The user's critic with ReLU after its weights grew: activations blow up."""
+    critic = models.critic("relu", g_init=1e10)
+    x = np.abs(np.random.default_rng(0).standard_normal((16, 8))).astype("float32")
+    y = np.zeros((16, 1), "float32")
+    return critic, x, y, {}, ("forward", "wn4", "activation_overflow")
+
+
+def case_critic_zero_norm():
+    """The critic with a weight column that reached 0: 0 * g / 0 in forward."""
+    critic = models.critic("relu")
+    v = numpy([critic.get_layer("wn2").V])[0]
+    v[:, 3] = 0.0
+    critic.get_layer("wn2").V.assign(v)
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype("float32")
+    return (
+        critic,
+        x,
+        np.zeros((16, 1), "float32"),
+        {},
+        ("forward", "wn2", "invalid_arithmetic"),
+    )
+
+
+def case_actor_log_of_zero():
+    actor, x = _saturated_actor()
+    y = np.tile(
+        np.array([[0.0, 1.5]], "float32"), (4, 1)
+    )  # took action 1, advantage 1.5
+    return (
+        actor,
+        x,
+        y,
+        {"loss": models.policy_gradient_loss},
+        ("loss", "policy", "log_of_zero"),
+    )
+
+
+def case_actor_gathered_log():
+    actor, x = _saturated_actor()
+    actions = np.zeros((4,), "int32")  # took the likely action: loss finite
+    return (
+        actor,
+        x,
+        actions,
+        {"loss": models.gathered_log_prob_loss},
+        ("backward", "policy", "log_of_zero"),
+    )
+
+
+def case_loss_overflow():
+    x, y = _xy()
+    return _mlp(), x, y * 1e20, {"loss": "mse"}, ("loss", "out", "loss_overflow")
+
+
+def case_nonfinite_gradient():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, kernel_initializer="zeros", name="proj"),
+            _Norm(name="norm"),
+            keras.layers.Dense(1, name="head"),
+        ]
+    )
+    x, y = _xy()
+    return model, x, y, {"loss": "mse"}, ("backward", "proj", "nonfinite_gradient")
+
+
+def case_exploding_gradient():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="linear")])
+    x, y = _xy()
+    return (
+        model,
+        x * 1e5,
+        y,
+        {"loss": "mse"},
+        ("backward", "linear", "exploding_gradient"),
+    )
+
+
+def case_update_overflow():
+    x, y = _xy()
+    # Gradients of order 10-100 (finite, not exploding): lr * g > 3.4e38.
+    return (
+        _mlp(),
+        x * 30,
+        y,
+        {"loss": "mse", "optimizer": keras.optimizers.SGD(1e38)},
+        ("update", "hidden1", "update_overflow"),
+    )
+
+
+CORPUS = {
+    name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
+}
+
+
+def test_corpus_covers_every_cause():
+    covered = {CORPUS[name]()[-1][2] for name in CORPUS}
+    assert covered == set(CAUSES)
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_broken_models_are_diagnosed(name):
+    model, x, y, kwargs, (stage, layer, cause) = CORPUS[name]()
+    before = numpy(model.weights)
+    report = ng.diagnose(model, x, y, **kwargs)
+    assert (report.stage, report.layer, report.causes[0]) == (stage, layer, cause), str(
+        report
+    )
+    assert report.stage in STAGES and all(c in CAUSES for c in report.causes)
+    assert report.hints and report.detail
+    assert_bit_identical(before, numpy(model.weights), "weights after diagnose")
+    assert f"at the {stage} stage" in str(report)
+
+
+# ---------------------------------------------------------- healthy models
+def healthy_mlp():
+    x, y = _xy()
+    return _mlp(init="he_normal"), x, y, {"loss": "mse"}
+
+
+def healthy_cnn():
+    actor = models.actor()
+    x = np.random.default_rng(0).random((4, 36, 64, 3)).astype("float32")
+    y = keras.utils.to_categorical([0, 1, 1, 0], 2)
+    return actor, x, y, {"loss": "categorical_crossentropy"}
+
+
+def healthy_functional_two_inputs():
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(5, "tanh")(a), b])
+    model = keras.Model([a, b], keras.layers.Dense(2)(h))
+    rng = np.random.default_rng(0)
+    x = [
+        rng.standard_normal((8, 4)).astype("float32"),
+        rng.standard_normal((8, 3)).astype("float32"),
+    ]
+    return model, x, rng.standard_normal((8, 2)).astype("float32"), {"loss": "mse"}
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(6, activation="relu")
+        self.b = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def healthy_subclassed():
+    x, y = _xy()
+    return _Subclassed(), x, y, {"loss": "mse"}
+
+
+def healthy_nested():
+    inner = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(6, "relu"),
+            keras.layers.BatchNormalization(),
+        ],
+        name="inner",
+    )
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inner(inputs)))
+    x, y = _xy()
+    return model, x, y, {"loss": "mse"}
+
+
+def healthy_lstm():
+    model = keras.Sequential(
+        [keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(1)]
+    )
+    rng = np.random.default_rng(0)
+    return (
+        model,
+        rng.standard_normal((6, 5, 3)).astype("float32"),
+        rng.standard_normal((6, 1)).astype("float32"),
+        {"loss": "mse"},
+    )
+
+
+def healthy_critic_tanh():
+    critic = models.critic("tanh")
+    rng = np.random.default_rng(0)
+    return (
+        critic,
+        rng.standard_normal((16, 8)).astype("float32"),
+        rng.standard_normal((16, 1)).astype("float32"),
+        {},
+    )
+
+
+def healthy_stable_actor():
+    actor = models.actor(head=ng.StableSoftmax(log_probs=True, name="policy_logp"))
+    actor.pop() if False else None
+    x = np.random.default_rng(0).random((4, 36, 64, 3)).astype("float32")
+    return (
+        actor,
+        x,
+        np.array([0, 1, 1, 0]),
+        {
+            "loss": lambda a, logp: (
+                -ops.mean(
+                    ops.take_along_axis(
+                        logp, ops.expand_dims(ops.cast(a, "int32"), -1), axis=-1
+                    )
+                )
+            ),
+            "optimizer": keras.optimizers.RMSprop(1e-3),
+        },
+    )
+
+
+HEALTHY = {
+    name[8:]: fn
+    for name, fn in sorted(globals().items())
+    if name.startswith("healthy_")
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_healthy_models_raise_no_false_alarm(name):
+    model, x, y, kwargs = HEALTHY[name]()
+    report = ng.diagnose(model, x, y, **kwargs)
+    assert report.healthy, str(report)
+    assert report.causes == [] and np.isfinite(report.loss)
+    assert report.layers and all(not s.nonfinite for s in report.layers)
+    assert str(report).startswith("Diagnosis: healthy")
+
+
+# ------------------------------------------------------------------ report
+def test_report_text_and_json_for_the_two_user_cases():
+    model, x, y, kwargs, _ = case_actor_log_of_zero()
+    actor = ng.diagnose(model, x, y, **kwargs)
+    text = str(actor)
+    assert "loss stage in layer 'policy'" in text
+    assert "log_of_zero" in text and "StableSoftmax(log_probs=True)" in text
+    stats = {s.name: s for s in actor.layers}
+    assert stats["policy"].saturated_fraction == 1.0
+    model, x, y, kwargs, _ = case_critic_relu()
+    critic = ng.diagnose(model, x, y, **kwargs)
+    assert "forward stage in layer 'wn4'" in str(critic)
+    assert "He initialisation" in str(critic)
+    data = json.loads(json.dumps(critic.to_dict()))
+    again = ng.Diagnosis.from_dict(data)
+    assert (again.stage, again.layer, again.causes) == (
+        critic.stage,
+        critic.layer,
+        critic.causes,
+    )
+    assert [s.name for s in again.layers] == [s.name for s in critic.layers]
+
+
+def test_optimizer_state_is_left_untouched():
+    x, y = _xy()
+    model = _mlp()
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, verbose=0)
+    before = numpy(opt.variables)
+    report = ng.diagnose(model, x, y, optimizer=opt)
+    assert report.healthy
+    assert_bit_identical(before, numpy(opt.variables), "optimizer state")
+
+
+def test_needs_a_loss():
+    x, y = _xy()
+    with pytest.raises(ValueError, match="`loss` is needed"):
+        ng.diagnose(_mlp(), x, y)
+    with pytest.raises(TypeError, match="Received: loss=3"):
+        ng.diagnose(_mlp(), x, y, loss=3)
