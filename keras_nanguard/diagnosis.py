@@ -278,16 +278,16 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
 
     # Loss.
     loss_value = _to_float(loss_tensor)
-    probs = _probability_like(y_pred, records[-1][1] if records else None)
+    probs = _probability_outputs(y_pred, records[-1][1] if records else None)
     out_name = records[-1][0] if records else None
     if not math.isfinite(loss_value):
-        if probs is not None and _clipped_loss_finite(loss_of, y_pred):
+        if probs is not None and _clipped_loss_finite(loss_of, y_pred, probs):
             return _result(
                 "loss",
                 out_name,
                 ["log_of_zero"],
                 f"loss {loss_value}: predicted probabilities include exact "
-                f"0 ({_fraction_zero(probs):.1%} of entries) and a log "
+                f"0 ({_fraction_zero(y_pred, probs):.1%} of entries) and a log "
                 "takes them",
                 stats,
                 loss_value,
@@ -644,15 +644,25 @@ def _probe_update(model, optimizer, grads, leaves):
 
 
 # ------------------------------------------------------ counterfactual tests
-def _clipped_loss_finite(loss_of, y_pred) -> bool:
-    """Is the loss finite once probabilities are kept away from 0 and 1?"""
+def _clip_probabilities(y_pred, which: list[bool]) -> Any:
+    """`y_pred` with its probability outputs kept away from 0 and 1."""
     eps = 1e-7
-    return math.isfinite(_to_float(loss_of(ops.clip(y_pred, eps, 1 - eps))))
+    flat = keras.tree.flatten(y_pred)
+    clipped = [
+        ops.clip(t, eps, 1 - eps) if w else t for t, w in zip(flat, which, strict=True)
+    ]
+    return keras.tree.pack_sequence_as(y_pred, clipped)
 
 
-def _clipped_gradients_finite(model, x, loss_of, probs) -> bool:
-    eps = 1e-7
-    grads = _gradients(model, x, lambda y_pred: loss_of(ops.clip(y_pred, eps, 1 - eps)))
+def _clipped_loss_finite(loss_of, y_pred, which) -> bool:
+    """Is the loss finite once the probabilities are kept away from 0 and 1?"""
+    return math.isfinite(_to_float(loss_of(_clip_probabilities(y_pred, which))))
+
+
+def _clipped_gradients_finite(model, x, loss_of, which) -> bool:
+    grads = _gradients(
+        model, x, lambda y_pred: loss_of(_clip_probabilities(y_pred, which))
+    )
     return all(g is None or _finite(g) for g in grads)
 
 
@@ -739,27 +749,36 @@ def _layer_stats(name, layer, out) -> LayerStats:
     return st
 
 
-def _probability_like(y_pred, last_layer) -> np.ndarray | None:
-    """The predictions, if they are probabilities: in [0, 1] and either made
-    by a softmax/sigmoid or summing to 1 along the last axis."""
-    values = _host_tree(y_pred)
-    if len(values) != 1 or values[0].dtype.kind != "f":
-        return None
-    v = values[0]
-    if not (v.size and np.isfinite(v).all() and v.min() >= 0 and v.max() <= 1):
-        return None
+def _probability_outputs(y_pred, last_layer) -> list[bool] | None:
+    """Which outputs are probabilities (in [0, 1], and made by a softmax or
+    sigmoid, or summing to 1 along the last axis), or `None` if none is."""
+    flat = keras.tree.flatten(y_pred)
     activation = getattr(getattr(last_layer, "activation", None), "__name__", "")
-    made_so = (
+    made_so = len(flat) == 1 and (
         activation in ("softmax", "sigmoid") or "Softmax" in type(last_layer).__name__
     )
-    sums_to_one = (
-        v.ndim > 1 and v.shape[-1] > 1 and np.allclose(v.sum(-1), 1, atol=1e-3)
-    )
-    return v if made_so or sums_to_one else None
+    which = []
+    for t in flat:
+        v = _host(t)
+        in_range = (
+            v.dtype.kind == "f"
+            and v.size
+            and np.isfinite(v).all()
+            and v.min() >= 0
+            and v.max() <= 1
+        )
+        sums_to_one = (
+            v.ndim > 1 and v.shape[-1] > 1 and np.allclose(v.sum(-1), 1, atol=1e-3)
+        )
+        which.append(bool(in_range and (made_so or sums_to_one)))
+    return which if any(which) else None
 
 
-def _fraction_zero(v: np.ndarray) -> float:
-    return float(np.mean(v == 0))
+def _fraction_zero(y_pred, which: list[bool]) -> float:
+    probs = [
+        _host(t) for t, w in zip(keras.tree.flatten(y_pred), which, strict=True) if w
+    ]
+    return sum(int(np.sum(p == 0)) for p in probs) / max(1, sum(p.size for p in probs))
 
 
 def _max_abs(data) -> float:

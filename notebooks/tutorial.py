@@ -1,0 +1,501 @@
+"""Code shared by the notebooks and by the tests that assert their claims.
+
+The notebooks import this module (they run with `notebooks/` as the working
+directory); `tests/test_notebooks.py` imports it too, so every claim a
+notebook makes is checked by an ordinary test running the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+from keras import ops
+
+import keras_nanguard as ng
+
+GAMMA = 0.99
+SOLVED = 195.0  # running reward that counts as "solved" for CartPole-v1
+
+
+# ------------------------------------------------------------- the agent
+@dataclasses.dataclass
+class AgentConfig:
+    """What the agent is made of. The defaults are the user's broken agent."""
+
+    learning_rate: float = 1.0
+    optimizer: str = "rmsprop"
+    entropy_beta: float = 0.01
+    stable_log_probs: bool = False  # log(softmax) vs policy_log_prob(logits)
+    normalize_returns: bool = False
+    safe_optimizer: bool = False  # SafeOptimizer(..., clipnorm=1.0)
+    init: str = "glorot_uniform"  # "he_normal" fits the ReLU trunk
+    hidden: int = 128
+
+
+FIXED = AgentConfig(
+    learning_rate=0.01,
+    stable_log_probs=True,
+    normalize_returns=True,
+    safe_optimizer=True,
+    init="he_normal",
+)
+
+
+def make_agent(config: AgentConfig, seed: int = 0) -> keras.Model:
+    """Shared trunk, an actor head and a critic head, as on keras.io.
+
+    The user's actor head is a softmax (probabilities); with
+    `stable_log_probs` it outputs logits, and log-probabilities are computed
+    from them in log space.
+    """
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    trunk = keras.layers.Dense(
+        config.hidden, "relu", kernel_initializer=config.init, name="trunk"
+    )(inputs)
+    head = None if config.stable_log_probs else "softmax"
+    policy = keras.layers.Dense(2, activation=head, name="actor")(trunk)
+    value = keras.layers.Dense(1, name="critic")(trunk)
+    return keras.Model(inputs, [policy, value], name="actor_critic")
+
+
+def agent_loss(config: AgentConfig):
+    """The loss of one episode, `(y_true, y_pred) -> scalar`, with
+    `y_true = (actions, returns)` and `y_pred = (policy, values)`: what the
+    training loop minimises, in the form `diagnose()` takes."""
+
+    def loss(y_true, y_pred):
+        actions, returns = y_true
+        policy, values = y_pred
+        actions = ops.cast(actions, "int32")
+        if config.stable_log_probs:
+            log_probs, entropy = ng.ops.policy_log_prob(policy, actions)
+        else:  # log of the whole softmax, then the taken actions
+            log_all = ops.log(policy)
+            log_probs = ops.take_along_axis(log_all, actions[:, None], axis=-1)[:, 0]
+            entropy = -ops.sum(policy * log_all, axis=-1)
+        advantage = (returns - ops.stop_gradient(values))[:, 0]
+        actor_loss = -ops.sum(log_probs * advantage)
+        critic_loss = ops.sum(keras.losses.Huber(reduction=None)(returns, values))
+        return actor_loss + critic_loss - config.entropy_beta * ops.sum(entropy)
+
+    return loss
+
+
+def make_optimizer(config: AgentConfig) -> keras.optimizers.Optimizer:
+    inner = keras.optimizers.get(
+        {
+            "class_name": config.optimizer,
+            "config": {"learning_rate": config.learning_rate},
+        }
+    )
+    return ng.SafeOptimizer(inner, clipnorm=1.0) if config.safe_optimizer else inner
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What happened in one training run."""
+
+    rewards: list[float]
+    running: list[float]
+    nan_episode: int | None = None  # first episode whose loss/weights were NaN
+    crash: str | None = None  # the exception that ended the run, if any
+    solved_at: int | None = None
+    skipped_steps: int = 0
+    model: keras.Model | None = None
+    # (weights before the update, x, (actions, returns)) of `capture_episode`
+    captured: tuple | None = None
+
+    @property
+    def final_running(self) -> float:
+        return self.running[-1] if self.running else 0.0
+
+
+def discounted(rewards: list[float], normalize: bool) -> np.ndarray:
+    out, g = [], 0.0
+    for r in reversed(rewards):
+        g = r + GAMMA * g
+        out.append(g)
+    out = np.array(out[::-1], "float32")
+    if normalize:
+        out = (out - out.mean()) / (out.std() + 1e-8)
+    return out
+
+
+def train_agent(
+    config: AgentConfig,
+    episodes: int,
+    seed: int = 0,
+    max_steps: int = 500,
+    stop_when_solved: bool = True,
+    capture_episode: int | None = None,
+) -> RunResult:
+    """keras.io's actor-critic on CartPole-v1 with a custom GradientTape loop."""
+    import gymnasium as gym
+    import tensorflow as tf
+
+    env = gym.make("CartPole-v1")
+    model = make_agent(config, seed)
+    optimizer = make_optimizer(config)
+    rng = np.random.default_rng(seed)
+    result = RunResult(rewards=[], running=[], model=model)
+    running = 0.0
+    loss_fn = agent_loss(config)
+
+    @tf.function
+    def policy(state):
+        out = model(state)[0]
+        return ops.softmax(out) if config.stable_log_probs else out
+
+    for episode in range(episodes):
+        # Play an episode with the current policy (compiled, no gradients) ...
+        state, _ = env.reset(seed=seed + episode)
+        states, actions, rewards = [], [], []
+        for _ in range(max_steps):
+            p = ops.convert_to_numpy(policy(state[None].astype("float32")))[0]
+            p = p.astype("float64")
+            try:
+                action = int(rng.choice(2, p=p / p.sum()))
+            except ValueError as err:  # NaN probabilities
+                result.crash = f"episode {episode}: np.random.choice: {err}"
+                env.close()
+                return result
+            states.append(state)
+            actions.append(action)
+            state, reward, terminated, truncated, _ = env.step(action)
+            rewards.append(reward)
+            if terminated or truncated:
+                break
+        # ... then learn from it: the same forward pass, batched, under a tape.
+        returns = discounted(rewards, config.normalize_returns)[:, None]
+        x = np.array(states, "float32")
+        a = np.array(actions)
+        if episode == capture_episode:
+            result.captured = ([w.copy() for w in model.get_weights()], x, (a, returns))
+        with tf.GradientTape() as tape:
+            loss = loss_fn((a, returns), model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+        episode_reward = float(sum(rewards))
+        running = 0.05 * episode_reward + 0.95 * running
+        result.rewards.append(episode_reward)
+        result.running.append(running)
+        finite = math.isfinite(float(loss)) and bool(
+            ng.ops.all_finite(model.trainable_variables)
+        )
+        if result.nan_episode is None and not finite:
+            result.nan_episode = episode
+        if result.solved_at is None and running > SOLVED:
+            result.solved_at = episode
+            if stop_when_solved:
+                break
+    if config.safe_optimizer:
+        result.skipped_steps = optimizer.counters()["skipped_steps"]
+    env.close()
+    return result
+
+
+# ------------------------------------------------ the models from the reports
+# The two models from the user's reports, scaled down where CPU time demands.
+#
+# - The actor (Keras): image observation in [0, 1]; Conv2D 16/32/64 3x3 ReLU each
+#   followed by 2x2 max-pooling; Flatten; Dense 64 ReLU, 32 ReLU, 2 softmax;
+#   RMSprop(1e-3). The report uses 288x512x3 images; tests use 36x64x3 (the
+#   benchmarks use the full size).
+# - The critic (TF1 style): weight-normalised dense layers
+#   `y = (x @ V) * g / sqrt(sum(V**2, axis=0)) + b`, V Glorot, g = 1, b = 0.1;
+#   `cell_size` units -> 32 -> 32 -> 32 (linear) -> 1; value loss
+#   `mean((discounted_r - v)**2)` plus L1 0.005 on all weights;
+#   RMSprop(lr 1e-4, rho 0.99, momentum 0, epsilon 1e-6), each gradient clipped
+#   to norm 5.
+
+
+@keras.saving.register_keras_serializable(package="keras_nanguard_tutorial")
+class WeightNormDense(keras.layers.Layer):
+    """`(x @ V) * g / sqrt(sum(V**2, axis=0)) + b`, as in the user's critic."""
+
+    def __init__(
+        self, units, activation=None, g_init=1.0, b_init=0.1, l1=0.005, **kwargs
+    ):
+        super().__init__(**kwargs)
+        self.units = units
+        self.activation = keras.activations.get(activation)
+        self.g_init, self.b_init, self.l1 = g_init, b_init, l1
+
+    def build(self, input_shape):
+        reg = keras.regularizers.L1(self.l1) if self.l1 else None
+        self.V = self.add_weight(
+            shape=(input_shape[-1], self.units),
+            name="V",
+            initializer="glorot_uniform",
+            regularizer=reg,
+        )
+        self.g = self.add_weight(
+            shape=(self.units,),
+            name="g",
+            regularizer=reg,
+            initializer=keras.initializers.Constant(self.g_init),
+        )
+        self.b = self.add_weight(
+            shape=(self.units,),
+            name="b",
+            regularizer=reg,
+            initializer=keras.initializers.Constant(self.b_init),
+        )
+
+    def call(self, x):
+        norm = ops.sqrt(ops.sum(ops.square(self.V), axis=0))
+        return self.activation(ops.matmul(x, self.V) * self.g / norm + self.b)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            units=self.units,
+            activation=keras.activations.serialize(self.activation),
+            g_init=self.g_init,
+            b_init=self.b_init,
+            l1=self.l1,
+        )
+        return config
+
+
+def critic(activation="tanh", state_dim=8, cell_size=64, g_init=1.0):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((state_dim,)),
+            WeightNormDense(cell_size, activation, g_init, name="wn1"),
+            WeightNormDense(32, activation, g_init, name="wn2"),
+            WeightNormDense(32, activation, g_init, name="wn3"),
+            WeightNormDense(32, None, g_init, name="wn4"),
+            WeightNormDense(1, None, name="value"),
+        ],
+        name="critic",
+    )
+    model.compile(
+        optimizer=keras.optimizers.RMSprop(
+            1e-4, rho=0.99, momentum=0.0, epsilon=1e-6, clipnorm=5.0
+        ),
+        loss="mse",
+    )
+    return model
+
+
+def actor(image=(36, 64, 3), head=None):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input(image),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="conv1"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu", name="conv2"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu", name="conv3"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu", name="dense64"),
+            keras.layers.Dense(32, activation="relu", name="dense32"),
+            head or keras.layers.Dense(2, activation="softmax", name="policy"),
+        ],
+        name="actor",
+    )
+    model.compile(optimizer=keras.optimizers.RMSprop(1e-3))
+    return model
+
+
+def policy_gradient_loss(y_true, probs):
+    """The user's loss: -log(prob of the taken action) * advantage, with
+    `y_true` = one-hot(action) * advantage."""
+    return -ops.sum(y_true * ops.log(probs), axis=-1)
+
+
+def gathered_log_prob_loss(actions, probs):
+    """log(probs) of the whole matrix, then the taken action gathered: the
+    loss stays finite when another action's probability is 0, its gradient
+    does not."""
+    logp = ops.log(probs)
+    taken = ops.take_along_axis(
+        logp, ops.expand_dims(ops.cast(actions, "int32"), -1), axis=-1
+    )
+    return -ops.mean(taken)
+
+
+# ------------------------------------------------ notebook 1: digits
+def digits_data(seed: int = 0) -> tuple[np.ndarray, ...]:
+    """scikit-learn's digits (shipped with it, no download): 8x8 images."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.data / 16.0).astype("float32")
+    y = keras.utils.to_categorical(d.target, 10).astype("float32")
+    order = np.random.default_rng(seed).permutation(len(x))
+    train, test = order[:1440], order[1440:]
+    return x[train], y[train], x[test], y[test]
+
+
+def digits_model(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+class BatchRecorder(keras.callbacks.Callback):
+    """Per batch: the loss Keras logs, the gradient norm and whether the step
+    was rejected (with a SafeOptimizer), and whether the weights are finite."""
+
+    def on_train_begin(self, logs=None):
+        self.loss, self.grad_norm, self.rejected, self.finite = [], [], [], []
+        self._safe = (
+            self.model.optimizer
+            if isinstance(self.model.optimizer, ng.SafeOptimizer)
+            else None
+        )
+        self._skipped = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.loss.append(float((logs or {}).get("loss", np.nan)))
+        self.finite.append(bool(ng.ops.all_finite(self.model.trainable_variables)))
+        if self._safe is not None:
+            c = self._safe.counters()
+            self.grad_norm.append(c["last_grad_norm"])
+            self.rejected.append(c["skipped_steps"] > self._skipped)
+            self._skipped = c["skipped_steps"]
+
+
+def train_digits(
+    guarded: bool,
+    epochs: int = 6,
+    bad_batches=None,
+    spike_step: int = 100,
+    seed: int = 0,
+) -> dict:
+    """The quickstart's run: a NaN batch (every epoch) and a learning-rate spike."""
+    x, y, x_test, y_test = digits_data(seed)
+    model = digits_model(seed)
+    optimizer = keras.optimizers.Adam(1e-3)
+    callbacks: list = []
+    if guarded:
+        optimizer = ng.SafeOptimizer(optimizer, clipnorm=5.0)
+        callbacks.append(ng.NaNGuard(verbose=0))
+    recorder = BatchRecorder()
+    callbacks += [
+        recorder,
+        ng.faults.LearningRateSpike(at_steps=[spike_step], factor=1e30),
+    ]
+    data = ng.faults.PoisonedBatches(
+        x,
+        y,
+        batch_size=32,
+        bad_batches={12: "nan"} if bad_batches is None else bad_batches,
+        target="both",
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    history = model.fit(
+        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks
+    )
+    test_loss, test_acc = model.evaluate(x_test, y_test, verbose=0)
+    return {
+        "history": history.history,
+        "batches": recorder,
+        "test_accuracy": float(test_acc),
+        "test_loss": float(test_loss),
+        "weights_finite": bool(ng.ops.all_finite(model.trainable_variables)),
+        "guard": callbacks[0] if guarded else None,
+        "first_nonfinite_step": next(
+            (i for i, ok in enumerate(recorder.finite) if not ok), None
+        ),
+    }
+
+
+# ----------------------------------------- notebook 3: image observations
+def bar_images(n: int, seed: int = 0, shape=(36, 64)) -> tuple[np.ndarray, np.ndarray]:
+    """Images made in code: a bright bar on the left or the right half; the
+    right action is the bar's side."""
+    rng = np.random.default_rng(seed)
+    h, w = shape
+    x = rng.random((n, h, w, 3), dtype=np.float32) * 0.2
+    side = rng.integers(0, 2, n)
+    for i, s in enumerate(side):
+        col = rng.integers(2, w // 2 - 4) + s * (w // 2)
+        x[i, :, col : col + 3, :] = 1.0
+    return x, side.astype("int32")
+
+
+def image_actor(stable: bool) -> keras.Model:
+    """The user's conv actor (scaled down to 36x64x3); `stable` swaps its
+    softmax head for StableSoftmax(log_probs=True) over logits."""
+    head = None
+    if stable:
+        head = keras.Sequential(
+            [keras.layers.Dense(2, name="logits"), ng.StableSoftmax(log_probs=True)],
+            name="policy",
+        )
+    return actor(head=head)
+
+
+def train_image_policy(
+    stable: bool,
+    safe: bool,
+    steps: int = 60,
+    epsilon: float = 0.2,
+    learning_rate: float = 1e-3,
+    reward_scale: float = 100.0,
+    seed: int = 0,
+) -> dict:
+    """REINFORCE on the bar task with a custom GradientTape loop and an
+    epsilon-greedy (off-policy) action choice, as in the user's report."""
+    import tensorflow as tf
+
+    model = image_actor(stable)
+    optimizer = keras.optimizers.RMSprop(learning_rate)
+    if safe:
+        optimizer = ng.SafeOptimizer(optimizer, clipnorm=1.0)
+    rng = np.random.default_rng(seed)
+    rewards, nan_step = [], None
+    for step in range(steps):
+        x, side = bar_images(16, seed=seed * 1000 + step)
+        out = ops.convert_to_numpy(model(x))
+        probs = np.exp(out) if stable else out
+        greedy = probs.argmax(-1)
+        explore = rng.random(16) < epsilon
+        actions = np.where(explore, rng.integers(0, 2, 16), greedy).astype("int32")
+        reward = np.where(actions == side, 1.0, -1.0).astype("float32") * reward_scale
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            logp_all = out if stable else ops.log(out)
+            logp = ops.take_along_axis(logp_all, actions[:, None], axis=-1)[:, 0]
+            loss = -ops.mean(logp * reward)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rewards.append(float(np.mean(actions == side)))
+        if nan_step is None and not bool(ng.ops.all_finite(model.trainable_variables)):
+            nan_step = step
+    x, side = bar_images(256, seed=99)
+    out = ops.convert_to_numpy(model(x))
+    accuracy = (
+        float(np.mean(out.argmax(-1) == side)) if nan_step is None else float("nan")
+    )
+    return {
+        "hit_rate": rewards,
+        "nan_step": nan_step,
+        "accuracy": accuracy,
+        "skipped": optimizer.counters()["skipped_steps"] if safe else 0,
+    }
