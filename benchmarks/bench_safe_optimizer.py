@@ -41,12 +41,23 @@ CONFIGS = ("inner", "global_clipnorm", "loss_scale", "safe")
 MODELS = {
     "mlp": {"batch": 128, "steps": 300},
     "conv_actor": {"batch": 8, "steps": 12},
+    # Dense models of ~1M, 10M and 100M parameters: 10 square layers.
+    "dense_1m": {"batch": 64, "steps": 100, "width": 316},
+    "dense_10m": {"batch": 64, "steps": 30, "width": 1000},
+    "dense_100m": {"batch": 64, "steps": 6, "width": 3162},
 }
 
 
 def build_model(name: str):
     import keras
 
+    if name.startswith("dense_"):
+        width = MODELS[name]["width"]
+        return keras.Sequential(
+            [keras.Input((width,))]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(9)]
+            + [keras.layers.Dense(10, activation="softmax")]
+        )
     if name == "mlp":
         return keras.Sequential(
             [
@@ -91,12 +102,13 @@ def make_optimizer(config: str):
 
 def data(name: str, n: int):
     rng = np.random.default_rng(0)
-    if name == "mlp":
-        x = rng.random((n, 784), dtype=np.float32)
-        y = rng.integers(0, 10, n).astype("int32")
-    else:
+    if name == "conv_actor":
         x = rng.random((n, 288, 512, 3), dtype=np.float32)
         y = rng.integers(0, 2, n).astype("int32")
+    else:
+        width = MODELS[name].get("width", 784)
+        x = rng.random((n, width), dtype=np.float32)
+        y = rng.integers(0, 10, n).astype("int32")
     return x, y
 
 
@@ -104,11 +116,34 @@ def compiled_model(name: str, config: str):
     import keras
 
     keras.utils.set_random_seed(0)
-    model = build_model(name)
-    model.compile(
-        optimizer=make_optimizer(config), loss="sparse_categorical_crossentropy"
-    )
+    with _strategy_scope():
+        model = build_model(name)
+        model.compile(
+            optimizer=make_optimizer(config), loss="sparse_categorical_crossentropy"
+        )
     return model
+
+
+def _strategy_scope():
+    """MirroredStrategy over 2 logical CPUs with --mirrored (TensorFlow)."""
+    import contextlib
+
+    if os.environ.get("NANGUARD_BENCH_MIRRORED") != "1":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    return tf.distribute.MirroredStrategy(devices).scope()
+
+
+def _configure_devices():
+    if os.environ.get("NANGUARD_BENCH_MIRRORED") == "1":
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
 
 
 def _step_timer():
@@ -204,8 +239,10 @@ def report(name: str, timing: dict, memory: dict | None) -> str:
 
     base = timing["per_round"]["inner"]
     clip = timing["per_round"]["global_clipnorm"]
+    mirrored = os.environ.get("NANGUARD_BENCH_MIRRORED") == "1"
     lines = [
-        f"### {name} ({timing['params']:,} parameters), backend {keras.backend.backend()}",
+        f"### {name} ({timing['params']:,} parameters), backend {keras.backend.backend()}"
+        + (", MirroredStrategy on 2 logical CPUs" if mirrored else ""),
         "",
         "| configuration | step time (median) | ratio to inner | ratio to inner + global_clipnorm |"
         + (
@@ -244,8 +281,16 @@ def main() -> int:
     parser.add_argument("--models", default="mlp,conv_actor")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--mirrored",
+        action="store_true",
+        help="TensorFlow: train under MirroredStrategy on 2 logical CPUs",
+    )
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.mirrored:
+        os.environ["NANGUARD_BENCH_MIRRORED"] = "1"  # children inherit it
+    _configure_devices()
     if args._child:
         _peak_rss_child(*args._child)
         return 0

@@ -406,7 +406,10 @@ class NaNGuard(keras.callbacks.Callback):
         # KerasVariable.__array__ path.
         if self._safe is None:
             return 0
-        return int(self._safe.skipped_steps.value)
+        value = self._safe.skipped_steps.value
+        if keras.backend.backend() == "tensorflow":
+            value = value.numpy()  # also a MirroredVariable's (int() is not)
+        return int(value)
 
     def _on_rejection(
         self, batch: int, logs: dict, bad_logs: list[str], count: int, since: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -288,11 +288,62 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"Received: len(grads)={len(grads)}, "
                 f"len(trainable_variables)={len(trainable_variables)}"
             )
-        self._transaction(grads, trainable_variables)
+        if keras.backend.backend() == "tensorflow":
+            self._tf_apply(grads, trainable_variables)
+        else:
+            # JAX: under a keras.distribution the step is one SPMD program whose
+            # gradients are already global, so every device decides alike.
+            self._transaction(grads, trainable_variables)
         if self.max_consecutive_skips is not None and _executing_eagerly(
             self.consecutive_skips
         ):
             self.check_halted()
+
+    def _tf_apply(self, grads: list[Any], variables: list[keras.Variable]) -> None:
+        """The transaction under `tf.distribute` (the one place that knows it).
+
+        In a replica context of a real strategy each replica holds its own
+        gradients. They are all-reduced first, and the whole transaction then
+        runs once in cross-replica context (`merge_call`), as Keras's
+        LossScaleOptimizer does: one decision, taken on the aggregated
+        gradients and the resulting mirrored state, and so the same on every
+        replica, with every write (update, rollback, counters) mirrored.
+        """
+        import tensorflow as tf
+
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or not tf.distribute.has_strategy():
+            self._transaction(grads, variables)  # default strategy or cross-replica
+            return
+        present = [i for i, g in enumerate(grads) if g is not None]
+        reduced = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM, [grads[i] for i in present]
+        )
+        summed: list[Any] = [None] * len(grads)
+        for i, g in zip(present, reduced, strict=True):
+            summed[i] = g
+
+        def cross_replica(distribution, summed, grads, variables):
+            variables = list(variables)
+            # The decision: on the summed gradients (the same on every replica).
+            decide_on = [
+                None if g is None else distribution.experimental_local_results(g)[0]
+                for g in summed
+            ]
+
+            def update(clip):
+                # The update: each replica hands the inner optimizer its own
+                # gradients, which it all-reduces itself, as it would unwrapped.
+                def per_replica(grads, variables):
+                    self.inner_optimizer.apply(clip(list(grads)), list(variables))
+
+                distribution.extended.call_for_each_replica(
+                    per_replica, args=(grads, variables)
+                )
+
+            self._transaction(decide_on, variables, update=update)
+
+        ctx.merge_call(cross_replica, args=(summed, grads, variables))
 
     def _plan(self, grads: list[Any], variables: list[keras.Variable]) -> tuple:
         """Which gradients and which state variables a step checks, and their
@@ -314,7 +365,18 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             plan = self._plans.cache[key] = (checked, state, floats, names)
         return plan
 
-    def _transaction(self, grads: list[Any], variables: list[keras.Variable]) -> None:
+    def _transaction(
+        self,
+        grads: list[Any],
+        variables: list[keras.Variable],
+        update: Callable[[Callable[[list], list]], None] | None = None,
+    ) -> None:
+        """One step: decide on `grads`, update, check, commit or roll back.
+
+        `update(clip)` runs the inner optimizer, `clip` mapping a gradient
+        list to its clipped copy; by default on `grads` themselves (under
+        `tf.distribute`, `_tf_apply` hands each replica its own).
+        """
         inner = self.inner_optimizer
         checked, state, floats, names = self._plan(grads, variables)
         # Names of what the counters' indices point at, for the reports.
@@ -322,23 +384,29 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
         scale, rel, grad_finite = numerics.norm_parts([grads[i] for i in checked])
         grads_ok = ops.all(grad_finite)
-        clipped = None
+        clipped, factor = None, None
         if self.clipnorm is not None:
             factor = ops.minimum(1.0, (self.clipnorm / scale) / rel)
             clipped = factor < 1.0
-            for i in checked:
-                grads[i] = _scale(grads[i], factor)
+
+        def clip(gs: list) -> list:
+            if factor is None:
+                return gs
+            return [_scale(g, factor) if i in checked else g for i, g in enumerate(gs)]
+
+        if update is None:
+            update = lambda clip: inner.apply(clip(list(grads)), variables)  # noqa: E731
 
         # The rollback point: weights and all inner optimizer variables, read
         # before the inner update writes to them.
         backup = _snapshot(state)
         if self.lr_backoff is None:
-            inner.apply(grads, variables)
+            update(clip)
         else:
             lr_var = inner.learning_rate
             (base_lr,) = _snapshot([lr_var])
             lr_var.assign(base_lr * ops.cast(self.lr_scale.value, lr_var.dtype))
-            inner.apply(grads, variables)
+            update(clip)
             lr_var.assign(base_lr)
 
         new_finite = numerics.finite_flags([state[j] for j in floats])

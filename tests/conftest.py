@@ -1,14 +1,31 @@
-"""Shared fixtures. The backend comes from KERAS_BACKEND (default tensorflow)."""
+"""Shared fixtures. The backend comes from KERAS_BACKEND (default tensorflow).
+
+Two devices are made available for the distribution tests, before the
+backend initialises: two logical CPUs on TensorFlow, two host devices on JAX.
+Single-device code (everything else) still runs on the first one.
+"""
 
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ["KERAS_BACKEND"] == "jax":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=2"
 
 import keras
 import pytest
 
 BACKEND = keras.backend.backend()
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
 
 
 def pytest_report_header(config):
