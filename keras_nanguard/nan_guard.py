@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -16,8 +15,10 @@ import keras
 import numpy as np
 
 from keras_nanguard import snapshots
+from keras_nanguard._figures import EpochFigures, nonfinite
 from keras_nanguard.diagnosis import Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
+from keras_nanguard.incidents import Incident
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 _LOG = logging.getLogger("keras_nanguard")
@@ -44,49 +45,6 @@ class _Cadence:
 
     def done(self, cost: float) -> None:
         self.cost, self.since = cost, 0
-
-
-@dataclasses.dataclass
-class Incident:
-    """One episode of trouble: consecutive bad steps count as one incident."""
-
-    fit: int
-    epoch: int
-    step: int
-    batch: int
-    kind: str
-    detail: str
-    action: str = "none"
-    steps: int = 1
-    loss: float | None = None
-    grad_norm: float | None = None
-    variables: list[str] = dataclasses.field(default_factory=list)
-    learning_rate: tuple[float, float] | None = None
-    batch_data: Any = dataclasses.field(default=None, repr=False)
-    diagnosis: Any = dataclasses.field(default=None, repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.pop("batch_data")
-        diagnosis = out.pop("diagnosis")
-        if self.diagnosis is not None and hasattr(self.diagnosis, "to_dict"):
-            out["diagnosis"] = self.diagnosis.to_dict()
-        elif diagnosis is not None:
-            out["diagnosis"] = str(diagnosis)
-        return out
-
-    def __str__(self) -> str:
-        where = f"epoch {self.epoch}, step {self.step}"
-        if self.steps > 1:
-            where += f" (+{self.steps - 1} more steps)"
-        text = f"[{where}] {self.kind}: {self.detail}"
-        if self.variables:
-            shown = ", ".join(self.variables[:3])
-            more = len(self.variables) - 3
-            text += f" Non-finite: {shown}" + (
-                f" and {more} more." if more > 0 else "."
-            )
-        return f"{text} Action: {self.action}."
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -308,14 +266,7 @@ class NaNGuard(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        # Epoch figures without the left-out batches: `_prefix` averages the
-        # kept batches before Keras's metric states were last reset,
-        # `_segment` is Keras's running mean since then.
-        self._prefix: dict[str, float] = {}
-        self._prefix_n = 0
-        self._segment: dict[str, float] = {}
-        self._segment_n = 0
-        self._left_out = 0
+        self._figures = EpochFigures()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
@@ -330,7 +281,7 @@ class NaNGuard(keras.callbacks.Callback):
             self._publish(logs)
             return
 
-        bad_logs = sorted(k for k, v in logs.items() if _nonfinite(v))
+        bad_logs = sorted(k for k, v in logs.items() if nonfinite(v))
         new_rejections, since = self._check_counters(force=bool(bad_logs))
         if bad_logs:  # this batch's figures are bad: it is left out of them
             snapshots.sync_from_device(self.model)
@@ -358,15 +309,7 @@ class NaNGuard(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        if self._prefix_n:
-            train = {k: logs[k] for k in self._prefix if k in logs}
-            segment = {k: float(v) for k, v in train.items()} if self._segment_n else {}
-            logs.update(_mean(self._prefix, self._prefix_n, segment, self._segment_n))
-        elif self._left_out and not self._segment_n:
-            # Every batch was left out: there is no figure to report.
-            for key in [k for k in logs if _is_metric(k, logs[k])]:
-                if not key.startswith("val_"):
-                    logs[key] = float("nan")
+        self._figures.finish(logs)
         snapshots.sync_from_device(self.model)
         new_rejections, since = self._check_counters(force=True)
         if new_rejections:  # not yet seen by a periodic read
@@ -615,29 +558,14 @@ class NaNGuard(keras.callbacks.Callback):
 
     # --------------------------------------------------------------- logs
     def _keep_in(self, logs: dict) -> None:
-        self._segment = {k: float(v) for k, v in logs.items() if _is_metric(k, v)}
-        self._segment_n += 1
-        if self._prefix_n:
-            logs.update(
-                _mean(self._prefix, self._prefix_n, self._segment, self._segment_n)
-            )
+        self._figures.keep(logs)
 
     def _leave_out(self, logs: dict) -> None:
-        """Leaves this batch out of the epoch figures: fold the kept part into
-        `_prefix` and reset Keras's metric states, which include this batch."""
-        self._prefix = _mean(
-            self._prefix, self._prefix_n, self._segment, self._segment_n
-        )
-        self._prefix_n += self._segment_n
-        self._segment, self._segment_n = {}, 0
-        self._left_out += 1
+        """Leaves this batch out of the epoch's figures; Keras's metric states,
+        which include it, start afresh."""
+        self._figures.leave_out(logs)
         snapshots.sync_from_device(self.model)
         self.model.reset_metrics()
-        for key in [k for k, v in logs.items() if _is_metric(k, v)]:
-            if key in self._prefix:
-                logs[key] = self._prefix[key]
-            else:  # nothing good to show yet
-                del logs[key]
 
     def _publish(self, logs: dict) -> None:
         logs["nanguard_incidents"] = len(self.incidents)
@@ -715,36 +643,6 @@ def _diagnose(model: keras.Model, batch: Any) -> Diagnosis | str:
         return diagnose(model, *batch, optimizer=model.optimizer)
     except Exception as err:  # a report must never break training
         return f"diagnose() failed: {type(err).__name__}: {err}"
-
-
-def _mean(
-    a: dict[str, float], n_a: int, b: dict[str, float], n_b: int
-) -> dict[str, float]:
-    """Batch-weighted mean of two running means."""
-    if n_a == 0:
-        return dict(b)
-    if n_b == 0:
-        return dict(a)
-    return {
-        k: (a[k] * n_a + v * n_b) / (n_a + n_b) if k in a else v for k, v in b.items()
-    }
-
-
-def _nonfinite(value: Any) -> bool:
-    try:
-        return not math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
-
-
-def _is_metric(key: str, value: Any) -> bool:
-    if key.startswith("nanguard_"):
-        return False
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _describe_logs(logs: dict, bad: list[str]) -> str:

@@ -141,3 +141,50 @@ def test_fit_with_a_poisoned_shard_and_nan_guard_rollback(strategy):
     assert guard.incidents[0].action.startswith("rolled back")
     assert all_finite(model.weights)
     _assert_replicas_agree(_state(model))
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute only")
+def test_multi_worker_mirrored_two_workers_on_loopback(tmp_path):
+    """Two processes, MultiWorkerMirroredStrategy: a NaN in one worker's shard
+    is rejected by both, which stay identical."""
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "mwms_worker.py")
+    ports = [str(_free_port()), str(_free_port())]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i), *ports, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [
+            p.communicate(timeout=240)[0].decode(errors="replace") for p in procs
+        ]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
+    for i in range(3):
+        assert w0[f"step{i}_weights"].tobytes() == w1[f"step{i}_weights"].tobytes()
+    assert w0["step1_weights"].tobytes() == w0["step0_weights"].tobytes()  # rejected
+    assert w0["step2_weights"].tobytes() != w0["step1_weights"].tobytes()  # goes on
+    assert [int(w0[f"step{i}_skipped"]) for i in range(3)] == [0, 1, 1]
+    assert [int(w1[f"step{i}_skipped"]) for i in range(3)] == [0, 1, 1]
+    assert [int(w0[f"step{i}_iterations"]) for i in range(3)] == [1, 1, 2]

@@ -1,0 +1,49 @@
+"""Incident: one record of trouble, as NaNGuard keeps it in `guard.incidents`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Incident:
+    """One episode of trouble: consecutive bad steps count as one incident."""
+
+    fit: int
+    epoch: int
+    step: int
+    batch: int
+    kind: str
+    detail: str
+    action: str = "none"
+    steps: int = 1
+    loss: float | None = None
+    grad_norm: float | None = None
+    variables: list[str] = dataclasses.field(default_factory=list)
+    learning_rate: tuple[float, float] | None = None
+    batch_data: Any = dataclasses.field(default=None, repr=False)
+    diagnosis: Any = dataclasses.field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("batch_data")
+        diagnosis = out.pop("diagnosis")
+        if self.diagnosis is not None and hasattr(self.diagnosis, "to_dict"):
+            out["diagnosis"] = self.diagnosis.to_dict()
+        elif diagnosis is not None:
+            out["diagnosis"] = str(diagnosis)
+        return out
+
+    def __str__(self) -> str:
+        where = f"epoch {self.epoch}, step {self.step}"
+        if self.steps > 1:
+            where += f" (+{self.steps - 1} more steps)"
+        text = f"[{where}] {self.kind}: {self.detail}"
+        if self.variables:
+            shown = ", ".join(self.variables[:3])
+            more = len(self.variables) - 3
+            text += f" Non-finite: {shown}" + (
+                f" and {more} more." if more > 0 else "."
+            )
+        return f"{text} Action: {self.action}."
