@@ -124,6 +124,9 @@ def compiled_model(name: str, config: str):
     return model
 
 
+_STRATEGY = None
+
+
 def _strategy_scope():
     """MirroredStrategy over 2 logical CPUs with --mirrored (TensorFlow)."""
     import contextlib
@@ -132,8 +135,13 @@ def _strategy_scope():
         return contextlib.nullcontext()
     import tensorflow as tf
 
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
-    return tf.distribute.MirroredStrategy(devices).scope()
+    global _STRATEGY
+    if _STRATEGY is None:
+        # One strategy for the whole process: collective-op keys are unique
+        # only within one strategy, and several would collide.
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+        _STRATEGY = tf.distribute.MirroredStrategy(devices)
+    return _STRATEGY.scope()
 
 
 def _configure_devices():
