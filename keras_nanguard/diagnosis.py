@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
+from keras_nanguard import _probes as probes
 from keras_nanguard import snapshots
 
 STAGES = ("input", "target", "weights", "forward", "loss", "backward", "update")
@@ -218,11 +217,11 @@ def diagnose(
     ('input', ['nonfinite_input'])
     """
     # As in fit: the loss sees backend tensors, not NumPy arrays.
-    y, sample_weight = _to_tensors(y), _to_tensors(sample_weight)
-    loss_of = _loss_function(model, loss, x, y, sample_weight)
+    y, sample_weight = probes.to_tensors(y), probes.to_tensors(sample_weight)
+    loss_of = probes.loss_function(model, loss, x, y, sample_weight)
     if not model.built:
         model(x, training=False)  # build it, without touching any state
-    leaves = _leaf_layers(model)
+    leaves = probes.leaf_layers(model)
     optimizer_vars = list(optimizer.variables) if optimizer is not None else []
     saved = [
         np.array(snapshots.host_view(v), copy=True)
@@ -240,11 +239,11 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
         ("input", "nonfinite_input", x),
         ("target", "nonfinite_target", y),
     ):
-        bad = _nonfinite_arrays(data)
+        bad = probes.nonfinite_arrays(data)
         if bad:
             return _result(stage, None, [cause], f"{stage}s: {bad}")
     for name, layer in leaves:
-        bad = [v.name for v in layer.weights if not _finite(_host(v))]
+        bad = [v.name for v in layer.weights if not probes.finite(probes.host(v))]
         if bad:
             return _result(
                 "weights",
@@ -256,7 +255,7 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
         bad = [
             getattr(v, "path", v.name)
             for v in optimizer.variables
-            if not _finite(_host(v))
+            if not probes.finite(probes.host(v))
         ]
         if bad:
             return _result(
@@ -267,7 +266,9 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
             )
 
     # Forward, layer by layer.
-    records, y_pred, loss_tensor, gradients = _record_forward(model, x, leaves, loss_of)
+    records, y_pred, loss_tensor, gradients = probes.record_forward(
+        model, x, leaves, loss_of
+    )
     stats = [_layer_stats(name, layer, out) for name, layer, _, out in records]
     for i, ((name, layer, inputs, out), st) in enumerate(
         zip(records, stats, strict=True)
@@ -277,28 +278,28 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
             return _forward_cause(name, layer, inputs, out, stats, upto)
 
     # Loss.
-    loss_value = _to_float(loss_tensor)
-    probs = _probability_outputs(y_pred, records[-1][1] if records else None)
+    loss_value = probes.to_float(loss_tensor)
+    probs = probes.probability_outputs(y_pred, records[-1][1] if records else None)
     out_name = records[-1][0] if records else None
     if not math.isfinite(loss_value):
-        if probs is not None and _clipped_loss_finite(loss_of, y_pred, probs):
+        if probs is not None and probes.clipped_loss_finite(loss_of, y_pred, probs):
             return _result(
                 "loss",
                 out_name,
                 ["log_of_zero"],
                 f"loss {loss_value}: predicted probabilities include exact "
-                f"0 ({_fraction_zero(y_pred, probs):.1%} of entries) and a log "
+                f"0 ({probes.fraction_zero(y_pred, probs):.1%} of entries) and a log "
                 "takes them",
                 stats,
                 loss_value,
             )
-        if _scaled_loss_finite(loss_of, y_pred, y):
+        if probes.scaled_loss_finite(loss_of, y_pred, y):
             return _result(
                 "loss",
                 out_name,
                 ["loss_overflow"],
                 f"loss {loss_value} with finite predictions (max |y_pred| "
-                f"{_max_abs(y_pred):.3g}, max |y| {_max_abs(y):.3g})",
+                f"{probes.max_abs(y_pred):.3g}, max |y| {probes.max_abs(y):.3g})",
                 stats,
                 loss_value,
             )
@@ -314,7 +315,7 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
     # Backward.
     grads = gradients()
     tv = model.trainable_variables
-    owner = _owners(leaves)
+    owner = probes.owners(leaves)
     norms = [
         None if g is None else float(np.sqrt(np.sum(np.square(g, dtype=np.float64))))
         for g in grads
@@ -329,27 +330,29 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
             float(np.sqrt(sum(n * n for n in per_layer))) if per_layer else None
         )
     global_norm = float(np.sqrt(sum(n * n for n in norms if n is not None)))
-    bad = [i for i, g in enumerate(grads) if g is not None and not _finite(g)]
+    bad = [i for i, g in enumerate(grads) if g is not None and not probes.finite(g)]
     if bad:
         order = {name: k for k, (name, _) in enumerate(leaves)}
         last = max(bad, key=lambda i: order.get(owner.get(id(tv[i])), -1))
         layer = owner.get(id(tv[last]))
         causes = ["nonfinite_gradient"]
-        if probs is not None and _clipped_gradients_finite(model, x, loss_of, probs):
+        if probs is not None and probes.clipped_gradients_finite(
+            model, x, loss_of, probs
+        ):
             causes = ["log_of_zero", "nonfinite_gradient"]
         return _result(
             "backward",
             layer,
             causes,
             f"forward pass and loss ({_fmt(loss_value)}) are finite, but the "
-            f"gradient of '{_path(tv[last])}' is not (going backward, the "
+            f"gradient of '{probes.path(tv[last])}' is not (going backward, the "
             f"first of {len(bad)} non-finite gradients)",
             stats,
             loss_value,
             global_norm,
         )
     weight_norm = float(
-        np.sqrt(sum(np.sum(np.square(_host(v), dtype=np.float64)) for v in tv))
+        np.sqrt(sum(np.sum(np.square(probes.host(v), dtype=np.float64)) for v in tv))
     )
     if global_norm > _EXPLODING * (1.0 + weight_norm):
         biggest = max(
@@ -368,7 +371,7 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
 
     # Update.
     if optimizer is not None:
-        bad_after = _probe_update(model, optimizer, grads, leaves)
+        bad_after = probes.probe_update(model, optimizer, grads, leaves)
         if bad_after:
             layer, names = bad_after
             return _result(
@@ -386,10 +389,10 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
 
 # ------------------------------------------------------------------- causes
 def _forward_cause(name, layer, inputs, out, stats, upto) -> Diagnosis:
-    values = _host_tree(out)
+    values = probes.host_tree(out)
     has_nan = any(np.isnan(v).any() for v in values)
     has_inf = any(np.isinf(v).any() for v in values)
-    finite_in = not _nonfinite_arrays(inputs)
+    finite_in = not probes.nonfinite_arrays(inputs)
     big = max(
         (float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in values),
         default=0.0,
@@ -434,7 +437,7 @@ def _overflow_hints(upto: list) -> list[str]:
             "layers), or a bounded activation (tanh) where values must stay small."
         )
     weights = [
-        float(np.max(np.abs(_host(w)), initial=0.0))
+        float(np.max(np.abs(probes.host(w)), initial=0.0))
         for lay in upto
         for w in lay.weights
     ]
@@ -464,270 +467,12 @@ def _result(
     )
 
 
-# ------------------------------------------------------------ model access
-def _leaf_layers(model: keras.Model) -> list[tuple[str, keras.layers.Layer]]:
-    out: list[tuple[str, keras.layers.Layer]] = []
-
-    def walk(layer, prefix):
-        if isinstance(layer, keras.layers.InputLayer):
-            return
-        subs = (
-            getattr(layer, "layers", None) if isinstance(layer, keras.Model) else None
-        )
-        if subs:
-            for sub in subs:
-                walk(sub, f"{prefix}{layer.name}/")
-        else:
-            out.append((prefix + layer.name, layer))
-
-    for layer in getattr(model, "layers", []):
-        walk(layer, "")
-    return out
-
-
-def _owners(leaves) -> dict[int, str]:
-    return {id(v): name for name, layer in leaves for v in layer.trainable_weights}
-
-
-def _record_forward(model, x, leaves, loss_of) -> tuple:
-    """One forward pass that records every leaf layer's input and output, and
-    the loss; returns `(records, y_pred, loss, gradients)` where `gradients()`
-    differentiates that same pass where the backend can (TensorFlow's tape,
-    torch's autograd) and runs a functional pass on JAX."""
-    records = []
-
-    def wrap(name, layer):
-        original = layer.call
-
-        def call(*args, **kwargs):
-            out = original(*args, **kwargs)
-            inputs = args[0] if args else next(iter(kwargs.values()), None)
-            records.append((name, layer, inputs, out))
-            return out
-
-        layer.call = call
-
-    for name, layer in leaves:
-        wrap(name, layer)
-    backend = keras.backend.backend()
-    try:
-        if backend == "tensorflow":
-            import tensorflow as tf
-
-            with tf.GradientTape() as tape:
-                y_pred = model(x, training=True)
-                loss = loss_of(y_pred)
-
-            def gradients():
-                return _numpy_grads(tape.gradient(loss, model.trainable_variables))
-
-        elif backend == "torch":
-            for v in model.trainable_variables:
-                v.value.grad = None
-            y_pred = model(x, training=True)
-            loss = loss_of(y_pred)
-
-            def gradients():
-                loss.backward()
-                grads = [v.value.grad for v in model.trainable_variables]
-                for v in model.trainable_variables:
-                    v.value.grad = None
-                return _numpy_grads(grads)
-
-        else:
-            y_pred = model(x, training=True)
-            loss = loss_of(y_pred)
-
-            def gradients():
-                return _gradients(model, x, loss_of)
-
-    finally:
-        for _, layer in leaves:
-            del layer.call  # back to the class's method
-    return records, y_pred, loss, gradients
-
-
-def _numpy_grads(grads) -> list[np.ndarray | None]:
-    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
-
-
-def _loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
-    if loss is None:
-        if getattr(model, "loss", None) is None:
-            raise ValueError(
-                "`loss` is needed: the model was not compiled with a loss. Pass "
-                "`loss=` (a Keras loss, its name, or a callable (y_true, y_pred)). "
-                "Received: loss=None"
-            )
-        return lambda y_pred, y_true=y: model.compute_loss(
-            x=x, y=y_true, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-    fn = keras.losses.get(loss) if isinstance(loss, str | dict) else loss
-    if not callable(fn):
-        raise TypeError(
-            "`loss` must be a Keras loss, its name, or a callable (y_true, y_pred). "
-            f"Received: loss={loss!r}"
-        )
-
-    def loss_of(y_pred, y_true=y):
-        if sample_weight is not None and isinstance(fn, keras.losses.Loss):
-            value = fn(y_true, y_pred, sample_weight=sample_weight)
-        else:
-            value = fn(y_true, y_pred)
-        value = ops.mean(value)
-        extra = model.losses
-        return value + ops.sum(ops.stack(extra)) if extra else value
-
-    return loss_of
-
-
-def _gradients(model, x, loss_of) -> list[np.ndarray | None]:
-    tv = model.trainable_variables
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            value = loss_of(model(x, training=True))
-        grads = tape.gradient(value, tv)
-    elif backend == "jax":
-        import jax
-
-        def objective(values):
-            with keras.StatelessScope(state_mapping=list(zip(tv, values, strict=True))):
-                return loss_of(model(x, training=True))
-
-        grads = jax.grad(objective)([v.value for v in tv])
-    else:
-        for v in tv:
-            v.value.grad = None
-        loss_of(model(x, training=True)).backward()
-        grads = [v.value.grad for v in tv]
-        for v in tv:
-            v.value.grad = None
-    return _numpy_grads(grads)
-
-
-def _probe_update(model, optimizer, grads, leaves):
-    while hasattr(optimizer, "inner_optimizer"):  # SafeOptimizer, LossScaleOptimizer
-        optimizer = optimizer.inner_optimizer
-    tv = model.trainable_variables
-    if not optimizer.built:
-        optimizer.build(tv)
-    saved = [np.array(snapshots.host_view(v), copy=True) for v in optimizer.variables]
-    try:
-        pairs = [
-            (ops.convert_to_tensor(g), v)
-            for g, v in zip(grads, tv, strict=True)
-            if g is not None
-        ]
-        if keras.backend.backend() == "torch":
-            import torch
-
-            with torch.no_grad():
-                optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        else:
-            optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        for name, layer in leaves:
-            bad = [w.name for w in layer.trainable_weights if not _finite(_host(w))]
-            if bad:
-                return name, bad
-        bad = [
-            getattr(v, "path", v.name)
-            for v in optimizer.variables
-            if not _finite(_host(v))
-        ]
-        return (None, bad) if bad else None
-    finally:
-        for v, value in zip(optimizer.variables, saved, strict=True):
-            v.assign(value)
-
-
-# ------------------------------------------------------ counterfactual tests
-def _clip_probabilities(y_pred, which: list[bool]) -> Any:
-    """`y_pred` with its probability outputs kept away from 0 and 1."""
-    eps = 1e-7
-    flat = keras.tree.flatten(y_pred)
-    clipped = [
-        ops.clip(t, eps, 1 - eps) if w else t for t, w in zip(flat, which, strict=True)
-    ]
-    return keras.tree.pack_sequence_as(y_pred, clipped)
-
-
-def _clipped_loss_finite(loss_of, y_pred, which) -> bool:
-    """Is the loss finite once the probabilities are kept away from 0 and 1?"""
-    return math.isfinite(_to_float(loss_of(_clip_probabilities(y_pred, which))))
-
-
-def _clipped_gradients_finite(model, x, loss_of, which) -> bool:
-    grads = _gradients(
-        model, x, lambda y_pred: loss_of(_clip_probabilities(y_pred, which))
-    )
-    return all(g is None or _finite(g) for g in grads)
-
-
-def _scaled_loss_finite(loss_of, y_pred, y) -> bool:
-    """Does the loss overflow only because of magnitudes? Re-evaluate it with
-    targets and predictions scaled down together: an overflow goes away, a
-    0/0 does not. Only for float targets of some size."""
-    big = max(_max_abs(y_pred), _max_abs(y))
-    if big < 1e3 or not all(v.dtype.kind == "f" for v in _host_tree(y)):
-        return False
-    scale = 1.0 / big
-    y_small = keras.tree.map_structure(lambda t: ops.cast(t, "float32") * scale, y)
-    return math.isfinite(
-        _to_float(loss_of(ops.cast(y_pred, "float32") * scale, y_small))
-    )
-
-
 # ------------------------------------------------------------------ helpers
-def _to_tensors(data: Any) -> Any:
-    """Backend tensors, float arrays in floatx, as Keras's data adapters do."""
-    if data is None:
-        return None
-
-    def convert(a):
-        t = ops.convert_to_tensor(a)
-        if keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype)):
-            t = ops.cast(t, keras.config.floatx())
-        return t
-
-    return keras.tree.map_structure(convert, data)
-
-
-def _host(v: Any) -> np.ndarray:
-    # A view where possible: read at once, never kept.
-    return snapshots.host_view(v)
-
-
-def _host_tree(data: Any) -> list[np.ndarray]:
-    return [_host(t) for t in keras.tree.flatten(data) if t is not None]
-
-
-def _finite(value: np.ndarray) -> bool:
-    return value.dtype.kind != "f" or bool(np.isfinite(value).all())
-
-
-def _nonfinite_arrays(data: Any) -> str:
-    if data is None:
-        return ""
-    found = []
-    for i, arr in enumerate(_host_tree(data)):
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            bad = ~np.isfinite(arr)
-            sample = int(np.argwhere(bad)[0][0]) if arr.ndim else 0
-            found.append(
-                f"array {i}: {int(bad.sum())} non-finite values "
-                f"({int(np.isnan(arr).sum())} NaN), first in sample {sample}"
-            )
-    return "; ".join(found)
-
-
 def _layer_stats(name, layer, out) -> LayerStats:
     # Activations can be large (a conv layer's output): reductions only, on
     # host views in the native dtype, no float64 or boolean copies on the
     # healthy path.
-    values = [v for v in _host_tree(out) if v.dtype.kind == "f" and v.size]
+    values = [v for v in probes.host_tree(out) if v.dtype.kind == "f" and v.size]
     st = LayerStats(name=name, class_name=type(layer).__name__)
     if not values:
         return st
@@ -747,58 +492,6 @@ def _layer_stats(name, layer, out) -> LayerStats:
         )
         st.saturated_fraction = sat / size
     return st
-
-
-def _probability_outputs(y_pred, last_layer) -> list[bool] | None:
-    """Which outputs are probabilities (in [0, 1], and made by a softmax or
-    sigmoid, or summing to 1 along the last axis), or `None` if none is."""
-    flat = keras.tree.flatten(y_pred)
-    activation = getattr(getattr(last_layer, "activation", None), "__name__", "")
-    made_so = len(flat) == 1 and (
-        activation in ("softmax", "sigmoid") or "Softmax" in type(last_layer).__name__
-    )
-    which = []
-    for t in flat:
-        v = _host(t)
-        in_range = (
-            v.dtype.kind == "f"
-            and v.size
-            and np.isfinite(v).all()
-            and v.min() >= 0
-            and v.max() <= 1
-        )
-        sums_to_one = (
-            v.ndim > 1 and v.shape[-1] > 1 and np.allclose(v.sum(-1), 1, atol=1e-3)
-        )
-        which.append(bool(in_range and (made_so or sums_to_one)))
-    return which if any(which) else None
-
-
-def _fraction_zero(y_pred, which: list[bool]) -> float:
-    probs = [
-        _host(t) for t, w in zip(keras.tree.flatten(y_pred), which, strict=True) if w
-    ]
-    return sum(int(np.sum(p == 0)) for p in probs) / max(1, sum(p.size for p in probs))
-
-
-def _max_abs(data) -> float:
-    values = [v for v in _host_tree(data)] if data is not None else []
-    return max(
-        (
-            float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0))
-            for v in values
-            if v.dtype.kind == "f"
-        ),
-        default=0.0,
-    )
-
-
-def _to_float(value) -> float:
-    return float(np.asarray(ops.convert_to_numpy(value)).astype(np.float64).mean())
-
-
-def _path(v) -> str:
-    return getattr(v, "path", None) or v.name
 
 
 def _fmt(value: float | None) -> str:

@@ -28,6 +28,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_nanguard._validation import is_int
+
 _NAMED = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -48,8 +50,9 @@ def _fault_value(value: str | float, name: str = "value") -> float:
 
 
 def _steps(at_steps: Iterable[int] | int, name: str = "at_steps") -> tuple[int, ...]:
-    if isinstance(at_steps, int) and not isinstance(at_steps, bool):
+    if is_int(at_steps):
         at_steps = [at_steps]
+
     try:
         steps = tuple(at_steps)
     except TypeError as err:
@@ -57,10 +60,7 @@ def _steps(at_steps: Iterable[int] | int, name: str = "at_steps") -> tuple[int, 
             f"`{name}` must be an int or a list of ints >= 0. "
             f"Received: {name}={at_steps!r}"
         ) from err
-    if not all(
-        isinstance(s, int | np.integer) and not isinstance(s, bool) and s >= 0
-        for s in steps
-    ):
+    if not all(is_int(s, 0) for s in steps):
         raise ValueError(
             f"`{name}` must hold ints >= 0 (0-based training steps). "
             f"Received: {name}={at_steps!r}"
@@ -163,19 +163,11 @@ class PoisonedBatches(keras.utils.PyDataset):
             )
         if target != "x" and y is None:
             raise ValueError(f"`target={target!r}` needs targets `y`. Received: y=None")
-        if (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, int)
-            or batch_size < 1
-        ):
+        if not is_int(batch_size, 1):
             raise ValueError(
                 f"`batch_size` must be an int >= 1. Received: batch_size={batch_size!r}"
             )
-        if (
-            isinstance(rows, bool)
-            or not isinstance(rows, int)
-            or not 1 <= rows <= batch_size
-        ):
+        if not (is_int(rows, 1) and rows <= batch_size):
             raise ValueError(
                 f"`rows` must be an int in [1, batch_size]. Received: rows={rows!r}"
             )
@@ -373,10 +365,9 @@ class LearningRateSpike(keras.callbacks.Callback):
     def __init__(self, at_steps: Iterable[int] | int, factor: float) -> None:
         super().__init__()
         self.at_steps = _steps(at_steps)
-        if (
-            isinstance(factor, bool)
-            or not isinstance(factor, int | float)
-            or not factor > 0
+        # inf is allowed: a spike to an infinite learning rate is a fault too.
+        if isinstance(factor, bool) or not (
+            isinstance(factor, int | float) and factor > 0
         ):
             raise ValueError(
                 f"`factor` must be a number > 0. Received: factor={factor!r}"

@@ -16,6 +16,7 @@ import numpy as np
 
 from keras_nanguard import snapshots
 from keras_nanguard._figures import EpochFigures, nonfinite
+from keras_nanguard._validation import check_writable, is_int, is_number
 from keras_nanguard.diagnosis import Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.incidents import Incident
@@ -177,17 +178,17 @@ class NaNGuard(keras.callbacks.Callback):
             ("snapshot_every", snapshot_every),
             ("check_every", check_every),
         ):
-            if value != "auto" and not _is_int(value, 1):
+            if value != "auto" and not is_int(value, 1):
                 raise ValueError(
                     f"`{name}` must be an int >= 1 or 'auto'. "
                     f"Received: {name}={value!r}"
                 )
-        if not (_is_number(snapshot_budget) and 0 < snapshot_budget < 1):
+        if not (is_number(snapshot_budget) and 0 < snapshot_budget < 1):
             raise ValueError(
                 "`snapshot_budget` must be in (0, 1). "
                 f"Received: snapshot_budget={snapshot_budget!r}"
             )
-        if not (_is_number(lr_factor) and 0 < lr_factor <= 1):
+        if not (is_number(lr_factor) and 0 < lr_factor <= 1):
             raise ValueError(
                 f"`lr_factor` must be in (0, 1]. Received: lr_factor={lr_factor!r}"
             )
@@ -197,7 +198,7 @@ class NaNGuard(keras.callbacks.Callback):
             ("max_rejections", max_rejections, 1),
             ("batch_size", batch_size, 1),
         ):
-            if not _is_int(value, low):
+            if not is_int(value, low):
                 raise ValueError(
                     f"`{name}` must be an int >= {low}. Received: {name}={value!r}"
                 )
@@ -230,9 +231,9 @@ class NaNGuard(keras.callbacks.Callback):
     # ------------------------------------------------------------ lifecycle
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.directory is not None:
-            _check_writable(self.directory, "directory")
+            check_writable(self.directory, "directory")
         if self.report_path is not None:
-            _check_writable(
+            check_writable(
                 os.path.dirname(os.path.abspath(self.report_path)), "report_path"
             )
         self._fit = self._fits
@@ -648,34 +649,6 @@ def _diagnose(model: keras.Model, batch: Any) -> Diagnosis | str:
 def _describe_logs(logs: dict, bad: list[str]) -> str:
     shown = ", ".join(f"{k}={logs[k]}" for k in bad)
     return f"non-finite {shown} in this batch."
-
-
-def _is_int(value: Any, low: int) -> bool:
-    return (
-        isinstance(value, int | np.integer)
-        and not isinstance(value, bool)
-        and value >= low
-    )
-
-
-def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
-
-
-def _check_writable(directory: str, name: str) -> None:
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".nanguard_probe_", dir=directory)
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as err:
-        raise ValueError(
-            f"`{name}` must be a writable directory. Received: {name}={directory!r} ({err})"
-        ) from err
 
 
 def _json_default(value: Any) -> Any:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 from keras import ops
 
+from keras_nanguard import _step_ops as step_ops
 from keras_nanguard import numerics
+from keras_nanguard._validation import check_positive
 from keras_nanguard.errors import NonFiniteError
 
 _REASONS = {0: "none", 1: "gradient", 2: "update"}
@@ -159,7 +160,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"{hint} Received: {kwargs}"
             )
         inner = _resolve_inner(optimizer)
-        clipnorm = _check_positive("clipnorm", clipnorm, allow_none=True)
+        clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
         if clipnorm is not None:
             inner_clip = {
                 k: getattr(inner, k)
@@ -175,7 +176,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                     f"{inner_clip}"
                 )
         if lr_backoff is not None:
-            lr_backoff = _check_positive("lr_backoff", lr_backoff)
+            lr_backoff = check_positive("lr_backoff", lr_backoff)
             if not lr_backoff < 1:
                 raise ValueError(
                     f"`lr_backoff` must be in (0, 1). Received: lr_backoff={lr_backoff}"
@@ -195,7 +196,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 "`lr_recovery_steps` must be an integer >= 1. "
                 f"Received: lr_recovery_steps={lr_recovery_steps!r}"
             )
-        min_lr_scale = _check_positive("min_lr_scale", min_lr_scale)
+        min_lr_scale = check_positive("min_lr_scale", min_lr_scale)
         if min_lr_scale > 1:
             raise ValueError(
                 "`min_lr_scale` must be in (0, 1]. "
@@ -234,7 +235,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         if keras.backend.backend() == "tensorflow":
-            _tf_update_out_of_place(self.inner_optimizer)
+            step_ops.tf_update_out_of_place(self.inner_optimizer)
         super().build(var_list)
 
     @property
@@ -299,7 +300,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             # JAX: under a keras.distribution the step is one SPMD program whose
             # gradients are already global, so every device decides alike.
             self._transaction(grads, trainable_variables)
-        if self.max_consecutive_skips is not None and _executing_eagerly(
+        if self.max_consecutive_skips is not None and step_ops.executing_eagerly(
             self.consecutive_skips
         ):
             self.check_halted()
@@ -362,7 +363,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 if g is not None and not getattr(v, "overwrite_with_gradient", False)
             ]
             state = list(variables) + list(self.inner_optimizer.variables)
-            floats = [j for j, v in enumerate(state) if _is_float_variable(v)]
+            floats = [j for j, v in enumerate(state) if step_ops.is_float_variable(v)]
             names = (
                 [_path(variables[i]) for i in checked],
                 [_path(state[j], optimizer=j >= len(variables)) for j in floats],
@@ -399,19 +400,22 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         def clip(gs: list) -> list:
             if factor is None:
                 return gs
-            return [_scale(g, factor) if i in to_clip else g for i, g in enumerate(gs)]
+            return [
+                step_ops.scale(g, factor) if i in to_clip else g
+                for i, g in enumerate(gs)
+            ]
 
         if update is None:
             update = lambda clip: inner.apply(clip(list(grads)), variables)  # noqa: E731
 
         # The rollback point: weights and all inner optimizer variables, read
         # before the inner update writes to them.
-        backup = _snapshot(state)
+        backup = step_ops.snapshot(state)
         if self.lr_backoff is None:
             update(clip)
         else:
             lr_var = inner.learning_rate
-            (base_lr,) = _snapshot([lr_var])
+            (base_lr,) = step_ops.snapshot([lr_var])
             lr_var.assign(base_lr * ops.cast(self.lr_scale.value, lr_var.dtype))
             update(clip)
             lr_var.assign(base_lr)
@@ -423,15 +427,15 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             ok = ops.logical_and(
                 ok, self.consecutive_skips.value < self.max_consecutive_skips
             )
-        _restore_unless(ok, state, backup)
+        step_ops.restore_unless(ok, state, backup)
         self._count(
             ok,
             grads_ok,
             update_ok,
             clipped,
             scale * rel,
-            _first_false(grad_finite),
-            _first_false(new_finite),
+            step_ops.first_false(grad_finite),
+            step_ops.first_false(new_finite),
         )
 
     def _count(
@@ -624,116 +628,6 @@ def _resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
     return optimizer
 
 
-def _check_positive(name: str, value: Any, allow_none: bool = False) -> Any:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"`{name}` must be a positive number. Received: {name}={value!r}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"`{name}` must be a finite number > 0. Received: {name}={value!r}"
-        )
-    return float(value)
-
-
 def _path(v: keras.Variable, optimizer: bool = False) -> str:
     name = f"'{getattr(v, 'path', None) or v.name}'"
     return f"optimizer variable {name}" if optimizer else name
-
-
-def _is_float_variable(v: keras.Variable) -> bool:
-    return keras.backend.is_float_dtype(v.dtype)
-
-
-def _first_false(flags: Any) -> Any:
-    # Index of the first False in a bool vector (0 when all are True).
-    return ops.argmin(ops.cast(flags, "int32"))
-
-
-def _scale(g: Any, factor: Any) -> Any:
-    if hasattr(g, "indices") and hasattr(g, "dense_shape"):  # tf.IndexedSlices
-        return type(g)(
-            g.values * ops.cast(factor, g.values.dtype), g.indices, g.dense_shape
-        )
-    return g * ops.cast(factor, g.dtype)
-
-
-def _snapshot(variables: list[keras.Variable]) -> list[Any]:
-    """The values of `variables` now, unaffected by later in-place updates."""
-    backend = keras.backend.backend()
-    if backend == "torch":
-        return [v.value.detach().clone() for v in variables]
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        # A read is a copy-on-write snapshot: the buffer is copied only if
-        # the variable is then written in place while the snapshot is alive.
-        return [tf.identity(v.value) for v in variables]
-    return [v.value for v in variables]  # JAX arrays are immutable.
-
-
-def _tf_update_out_of_place(inner: keras.optimizers.Optimizer) -> None:
-    """Makes `inner`'s in-place `assign_add`/`assign_sub` compute out of place.
-
-    While the rollback snapshot holds a reference to a variable's buffer,
-    TensorFlow copies that buffer before any in-place update (copy-on-write):
-    one extra copy of the weights per step. Computing `variable + value` and
-    assigning it swaps buffers instead, at the cost of the in-place update.
-    Sparse updates (`IndexedSlices`) keep the inner optimizer's own path.
-    """
-    if getattr(inner, "_nanguard_out_of_place", False):
-        return
-    cls = type(inner)
-
-    def assign_add(variable: Any, value: Any) -> None:
-        if hasattr(value, "indices"):
-            return cls.assign_add(inner, variable, value)
-        return inner.assign(variable, variable + ops.cast(value, variable.dtype))
-
-    def assign_sub(variable: Any, value: Any) -> None:
-        if hasattr(value, "indices"):
-            return cls.assign_sub(inner, variable, value)
-        return inner.assign(variable, variable - ops.cast(value, variable.dtype))
-
-    inner.assign_add = assign_add
-    inner.assign_sub = assign_sub
-    inner._nanguard_out_of_place = True
-
-
-def _restore_unless(ok: Any, state: list, backup: list) -> None:
-    if keras.backend.backend() == "jax":
-        # Stateless (jit): select, which XLA fuses into the update itself.
-        for v, old in zip(state, backup, strict=True):
-            v.assign(ops.where(ok, v.value, old))
-        return
-
-    def restore():
-        if keras.backend.backend() == "torch":
-            import torch
-
-            with torch.no_grad():
-                torch._foreach_copy_([v.value for v in state], backup)
-            return
-        for v, old in zip(state, backup, strict=True):
-            v.assign(old)
-
-    ops.cond(ok, lambda: None, restore)
-
-
-def _executing_eagerly(probe: keras.Variable) -> bool:
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    if backend == "jax":
-        import jax
-
-        return not isinstance(ops.convert_to_tensor(probe), jax.core.Tracer)
-    if backend == "torch":
-        import torch
-
-        return not torch.compiler.is_compiling()
-    return True

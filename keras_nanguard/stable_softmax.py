@@ -10,6 +10,7 @@ import numpy as np
 from keras import ops
 
 from keras_nanguard import numerics
+from keras_nanguard._validation import is_int, is_number
 
 _NAN_LOGITS = ("propagate", "mask")
 
@@ -89,14 +90,14 @@ class StableSoftmax(keras.layers.Layer):
         if isinstance(axis, list):
             axis = tuple(axis)
         if not (
-            _is_int(axis)
-            or (isinstance(axis, tuple) and axis and all(map(_is_int, axis)))
+            is_int(axis)
+            or (isinstance(axis, tuple) and axis and all(map(is_int, axis)))
         ):
             raise TypeError(
                 f"`axis` must be an int or a tuple of ints. Received: axis={axis!r}"
             )
         for name, value in (("soft_cap", soft_cap), ("hard_cap", hard_cap)):
-            if value is not None and not (_is_number(value) and value > 0):
+            if value is not None and not (is_number(value) and value > 0):
                 raise ValueError(
                     f"`{name}` must be a finite number > 0 or None. Received: {name}={value!r}"
                 )
@@ -105,11 +106,11 @@ class StableSoftmax(keras.layers.Layer):
                 "Set `soft_cap` or `hard_cap`, not both. "
                 f"Received: soft_cap={soft_cap}, hard_cap={hard_cap}"
             )
-        if not (_is_number(temperature) and temperature > 0):
+        if not (is_number(temperature) and temperature > 0):
             raise ValueError(
                 f"`temperature` must be a finite number > 0. Received: temperature={temperature!r}"
             )
-        if not (_is_number(min_prob) and 0 <= min_prob < 1):
+        if not (is_number(min_prob) and 0 <= min_prob < 1):
             raise ValueError(
                 f"`min_prob` must be in [0, 1/n) for n classes. Received: min_prob={min_prob!r}"
             )
@@ -117,7 +118,7 @@ class StableSoftmax(keras.layers.Layer):
             raise ValueError(
                 f"`nan_logits` must be one of {_NAN_LOGITS}. Received: nan_logits={nan_logits!r}"
             )
-        self.axis = axis
+        self.axis = int(axis) if is_int(axis) else tuple(int(a) for a in axis)
         self.soft_cap = None if soft_cap is None else float(soft_cap)
         self.hard_cap = None if hard_cap is None else float(hard_cap)
         self.temperature = float(temperature)
@@ -210,15 +211,3 @@ class StableSoftmax(keras.layers.Layer):
             }
         )
         return config
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )

@@ -1,0 +1,326 @@
+"""The eager probes diagnose() runs: the model's leaf layers, one recorded
+forward pass, gradients, the optimizer's would-be update, counterfactual
+checks (clipped probabilities, scaled targets), and host-side array helpers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_nanguard import snapshots
+
+
+# ------------------------------------------------------------ model access
+def leaf_layers(model: keras.Model) -> list[tuple[str, keras.layers.Layer]]:
+    out: list[tuple[str, keras.layers.Layer]] = []
+
+    def walk(layer, prefix):
+        if isinstance(layer, keras.layers.InputLayer):
+            return
+        subs = (
+            getattr(layer, "layers", None) if isinstance(layer, keras.Model) else None
+        )
+        if subs:
+            for sub in subs:
+                walk(sub, f"{prefix}{layer.name}/")
+        else:
+            out.append((prefix + layer.name, layer))
+
+    for layer in getattr(model, "layers", []):
+        walk(layer, "")
+    return out
+
+
+def owners(leaves) -> dict[int, str]:
+    return {id(v): name for name, layer in leaves for v in layer.trainable_weights}
+
+
+def record_forward(model, x, leaves, loss_of) -> tuple:
+    """One forward pass that records every leaf layer's input and output, and
+    the loss; returns `(records, y_pred, loss, gradients)` where `gradients()`
+    differentiates that same pass where the backend can (TensorFlow's tape,
+    torch's autograd) and runs a functional pass on JAX."""
+    records = []
+
+    def wrap(name, layer):
+        original = layer.call
+
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            inputs = args[0] if args else next(iter(kwargs.values()), None)
+            records.append((name, layer, inputs, out))
+            return out
+
+        layer.call = call
+
+    for name, layer in leaves:
+        wrap(name, layer)
+    backend = keras.backend.backend()
+    try:
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                loss = loss_of(y_pred)
+
+            def gradients():
+                return numpy_grads(tape.gradient(loss, model.trainable_variables))
+
+        elif backend == "torch":
+            for v in model.trainable_variables:
+                v.value.grad = None
+            y_pred = model(x, training=True)
+            loss = loss_of(y_pred)
+
+            def gradients():
+                loss.backward()
+                grads = [v.value.grad for v in model.trainable_variables]
+                for v in model.trainable_variables:
+                    v.value.grad = None
+                return numpy_grads(grads)
+
+        else:
+            y_pred = model(x, training=True)
+            loss = loss_of(y_pred)
+
+            def gradients():
+                return gradients(model, x, loss_of)
+
+    finally:
+        for _, layer in leaves:
+            del layer.call  # back to the class's method
+    return records, y_pred, loss, gradients
+
+
+def numpy_grads(grads) -> list[np.ndarray | None]:
+    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
+
+
+def loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
+    if loss is None:
+        if getattr(model, "loss", None) is None:
+            raise ValueError(
+                "`loss` is needed: the model was not compiled with a loss. Pass "
+                "`loss=` (a Keras loss, its name, or a callable (y_true, y_pred)). "
+                "Received: loss=None"
+            )
+        return lambda y_pred, y_true=y: model.compute_loss(
+            x=x, y=y_true, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+    fn = keras.losses.get(loss) if isinstance(loss, str | dict) else loss
+    if not callable(fn):
+        raise TypeError(
+            "`loss` must be a Keras loss, its name, or a callable (y_true, y_pred). "
+            f"Received: loss={loss!r}"
+        )
+
+    def loss_of(y_pred, y_true=y):
+        if sample_weight is not None and isinstance(fn, keras.losses.Loss):
+            value = fn(y_true, y_pred, sample_weight=sample_weight)
+        else:
+            value = fn(y_true, y_pred)
+        value = ops.mean(value)
+        extra = model.losses
+        return value + ops.sum(ops.stack(extra)) if extra else value
+
+    return loss_of
+
+
+def gradients(model, x, loss_of) -> list[np.ndarray | None]:
+    tv = model.trainable_variables
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            value = loss_of(model(x, training=True))
+        grads = tape.gradient(value, tv)
+    elif backend == "jax":
+        import jax
+
+        def objective(values):
+            with keras.StatelessScope(state_mapping=list(zip(tv, values, strict=True))):
+                return loss_of(model(x, training=True))
+
+        grads = jax.grad(objective)([v.value for v in tv])
+    else:
+        for v in tv:
+            v.value.grad = None
+        loss_of(model(x, training=True)).backward()
+        grads = [v.value.grad for v in tv]
+        for v in tv:
+            v.value.grad = None
+    return numpy_grads(grads)
+
+
+def probe_update(model, optimizer, grads, leaves):
+    while hasattr(optimizer, "inner_optimizer"):  # SafeOptimizer, LossScaleOptimizer
+        optimizer = optimizer.inner_optimizer
+    tv = model.trainable_variables
+    if not optimizer.built:
+        optimizer.build(tv)
+    saved = [np.array(snapshots.host_view(v), copy=True) for v in optimizer.variables]
+    try:
+        pairs = [
+            (ops.convert_to_tensor(g), v)
+            for g, v in zip(grads, tv, strict=True)
+            if g is not None
+        ]
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        else:
+            optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        for name, layer in leaves:
+            bad = [w.name for w in layer.trainable_weights if not finite(host(w))]
+            if bad:
+                return name, bad
+        bad = [
+            getattr(v, "path", v.name)
+            for v in optimizer.variables
+            if not finite(host(v))
+        ]
+        return (None, bad) if bad else None
+    finally:
+        for v, value in zip(optimizer.variables, saved, strict=True):
+            v.assign(value)
+
+
+# ------------------------------------------------------ counterfactual tests
+def clip_probabilities(y_pred, which: list[bool]) -> Any:
+    """`y_pred` with its probability outputs kept away from 0 and 1."""
+    eps = 1e-7
+    flat = keras.tree.flatten(y_pred)
+    clipped = [
+        ops.clip(t, eps, 1 - eps) if w else t for t, w in zip(flat, which, strict=True)
+    ]
+    return keras.tree.pack_sequence_as(y_pred, clipped)
+
+
+def clipped_loss_finite(loss_of, y_pred, which) -> bool:
+    """Is the loss finite once the probabilities are kept away from 0 and 1?"""
+    return math.isfinite(to_float(loss_of(clip_probabilities(y_pred, which))))
+
+
+def clipped_gradients_finite(model, x, loss_of, which) -> bool:
+    grads = gradients(
+        model, x, lambda y_pred: loss_of(clip_probabilities(y_pred, which))
+    )
+    return all(g is None or finite(g) for g in grads)
+
+
+def scaled_loss_finite(loss_of, y_pred, y) -> bool:
+    """Does the loss overflow only because of magnitudes? Re-evaluate it with
+    targets and predictions scaled down together: an overflow goes away, a
+    0/0 does not. Only for float targets of some size."""
+    big = max(max_abs(y_pred), max_abs(y))
+    if big < 1e3 or not all(v.dtype.kind == "f" for v in host_tree(y)):
+        return False
+    scale = 1.0 / big
+    y_small = keras.tree.map_structure(lambda t: ops.cast(t, "float32") * scale, y)
+    return math.isfinite(
+        to_float(loss_of(ops.cast(y_pred, "float32") * scale, y_small))
+    )
+
+
+# ------------------------------------------------------------ host arrays
+def to_tensors(data: Any) -> Any:
+    """Backend tensors, float arrays in floatx, as Keras's data adapters do."""
+    if data is None:
+        return None
+
+    def convert(a):
+        t = ops.convert_to_tensor(a)
+        if keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype)):
+            t = ops.cast(t, keras.config.floatx())
+        return t
+
+    return keras.tree.map_structure(convert, data)
+
+
+def host(v: Any) -> np.ndarray:
+    # A view where possible: read at once, never kept.
+    return snapshots.host_view(v)
+
+
+def host_tree(data: Any) -> list[np.ndarray]:
+    return [host(t) for t in keras.tree.flatten(data) if t is not None]
+
+
+def finite(value: np.ndarray) -> bool:
+    return value.dtype.kind != "f" or bool(np.isfinite(value).all())
+
+
+def nonfinite_arrays(data: Any) -> str:
+    if data is None:
+        return ""
+    found = []
+    for i, arr in enumerate(host_tree(data)):
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            bad = ~np.isfinite(arr)
+            sample = int(np.argwhere(bad)[0][0]) if arr.ndim else 0
+            found.append(
+                f"array {i}: {int(bad.sum())} non-finite values "
+                f"({int(np.isnan(arr).sum())} NaN), first in sample {sample}"
+            )
+    return "; ".join(found)
+
+
+def probability_outputs(y_pred, last_layer) -> list[bool] | None:
+    """Which outputs are probabilities (in [0, 1], and made by a softmax or
+    sigmoid, or summing to 1 along the last axis), or `None` if none is."""
+    flat = keras.tree.flatten(y_pred)
+    activation = getattr(getattr(last_layer, "activation", None), "__name__", "")
+    made_so = len(flat) == 1 and (
+        activation in ("softmax", "sigmoid") or "Softmax" in type(last_layer).__name__
+    )
+    which = []
+    for t in flat:
+        v = host(t)
+        in_range = (
+            v.dtype.kind == "f"
+            and v.size
+            and np.isfinite(v).all()
+            and v.min() >= 0
+            and v.max() <= 1
+        )
+        sums_to_one = (
+            v.ndim > 1 and v.shape[-1] > 1 and np.allclose(v.sum(-1), 1, atol=1e-3)
+        )
+        which.append(bool(in_range and (made_so or sums_to_one)))
+    return which if any(which) else None
+
+
+def fraction_zero(y_pred, which: list[bool]) -> float:
+    probs = [
+        host(t) for t, w in zip(keras.tree.flatten(y_pred), which, strict=True) if w
+    ]
+    return sum(int(np.sum(p == 0)) for p in probs) / max(1, sum(p.size for p in probs))
+
+
+def max_abs(data) -> float:
+    values = [v for v in host_tree(data)] if data is not None else []
+    return max(
+        (
+            float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0))
+            for v in values
+            if v.dtype.kind == "f"
+        ),
+        default=0.0,
+    )
+
+
+def to_float(value) -> float:
+    return float(np.asarray(ops.convert_to_numpy(value)).astype(np.float64).mean())
+
+
+def path(v) -> str:
+    return getattr(v, "path", None) or v.name

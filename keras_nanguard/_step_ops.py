@@ -1,0 +1,106 @@
+"""Backend-specific pieces of SafeOptimizer's guarded step: the rollback
+snapshot, the conditional restore, TensorFlow's out-of-place updates, and
+small tensor helpers. Each backend's path stays in one named function."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+
+def is_float_variable(v: keras.Variable) -> bool:
+    return keras.backend.is_float_dtype(v.dtype)
+
+
+def first_false(flags: Any) -> Any:
+    # Index of the first False in a bool vector (0 when all are True).
+    return ops.argmin(ops.cast(flags, "int32"))
+
+
+def scale(g: Any, factor: Any) -> Any:
+    if hasattr(g, "indices") and hasattr(g, "dense_shape"):  # tf.IndexedSlices
+        return type(g)(
+            g.values * ops.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * ops.cast(factor, g.dtype)
+
+
+def snapshot(variables: list[keras.Variable]) -> list[Any]:
+    """The values of `variables` now, unaffected by later in-place updates."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return [v.value.detach().clone() for v in variables]
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        # A read is a copy-on-write snapshot: the buffer is copied only if
+        # the variable is then written in place while the snapshot is alive.
+        return [tf.identity(v.value) for v in variables]
+    return [v.value for v in variables]  # JAX arrays are immutable.
+
+
+def tf_update_out_of_place(inner: keras.optimizers.Optimizer) -> None:
+    """Makes `inner`'s in-place `assign_add`/`assign_sub` compute out of place.
+
+    While the rollback snapshot holds a reference to a variable's buffer,
+    TensorFlow copies that buffer before any in-place update (copy-on-write):
+    one extra copy of the weights per step. Computing `variable + value` and
+    assigning it swaps buffers instead, at the cost of the in-place update.
+    Sparse updates (`IndexedSlices`) keep the inner optimizer's own path.
+    """
+    if getattr(inner, "_nanguard_out_of_place", False):
+        return
+    cls = type(inner)
+
+    def assign_add(variable: Any, value: Any) -> None:
+        if hasattr(value, "indices"):
+            return cls.assign_add(inner, variable, value)
+        return inner.assign(variable, variable + ops.cast(value, variable.dtype))
+
+    def assign_sub(variable: Any, value: Any) -> None:
+        if hasattr(value, "indices"):
+            return cls.assign_sub(inner, variable, value)
+        return inner.assign(variable, variable - ops.cast(value, variable.dtype))
+
+    inner.assign_add = assign_add
+    inner.assign_sub = assign_sub
+    inner._nanguard_out_of_place = True
+
+
+def restore_unless(ok: Any, state: list, backup: list) -> None:
+    if keras.backend.backend() == "jax":
+        # Stateless (jit): select, which XLA fuses into the update itself.
+        for v, old in zip(state, backup, strict=True):
+            v.assign(ops.where(ok, v.value, old))
+        return
+
+    def restore():
+        if keras.backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                torch._foreach_copy_([v.value for v in state], backup)
+            return
+        for v, old in zip(state, backup, strict=True):
+            v.assign(old)
+
+    ops.cond(ok, lambda: None, restore)
+
+
+def executing_eagerly(probe: keras.Variable) -> bool:
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    if backend == "jax":
+        import jax
+
+        return not isinstance(ops.convert_to_tensor(probe), jax.core.Tracer)
+    if backend == "torch":
+        import torch
+
+        return not torch.compiler.is_compiling()
+    return True
