@@ -90,7 +90,7 @@ def record_forward(model, x, leaves, loss_of) -> tuple:
             loss = loss_of(y_pred)
 
             def gradients():
-                return gradients(model, x, loss_of)
+                return fresh_gradients(model, x, loss_of)
 
     finally:
         for _, layer in leaves:
@@ -132,7 +132,8 @@ def loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
     return loss_of
 
 
-def gradients(model, x, loss_of) -> list[np.ndarray | None]:
+def fresh_gradients(model, x, loss_of) -> list[np.ndarray | None]:
+    """Gradients of the loss from a new forward pass on every backend."""
     tv = model.trainable_variables
     backend = keras.backend.backend()
     if backend == "tensorflow":
@@ -211,7 +212,7 @@ def clipped_loss_finite(loss_of, y_pred, which) -> bool:
 
 
 def clipped_gradients_finite(model, x, loss_of, which) -> bool:
-    grads = gradients(
+    grads = fresh_gradients(
         model, x, lambda y_pred: loss_of(clip_probabilities(y_pred, which))
     )
     return all(g is None or finite(g) for g in grads)
