@@ -27,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
+from bench_safe_optimizer import time_steps  # this folder is on sys.path
 
 
 def main() -> int:
@@ -47,22 +48,8 @@ def main() -> int:
     y = keras.utils.to_categorical(rng.integers(0, 2, len(x)), 2)
     xb, yb = x[:8], y[:8]
 
-    class StepTimer(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.times, self.last = [], None
-
-        def on_train_batch_end(self, batch, logs=None):
-            now = time.perf_counter()
-            if self.last is not None:
-                self.times.append(now - self.last)
-            self.last = now
-
     def step():
-        timer = StepTimer()
-        actor.fit(
-            x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[timer]
-        )
-        return statistics.median(timer.times)
+        return time_steps(actor, x, y, batch=8)
 
     def healthy():
         start = time.perf_counter()
