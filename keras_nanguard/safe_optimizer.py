@@ -65,12 +65,11 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     PyTorch backend, where Keras runs steps eagerly, the two decisions are
     Python branches on a device scalar, as in Keras's `LossScaleOptimizer`.
     The cost: one fused pass over the gradients (their norm), one read pass
-    over the new weights and optimizer state (their check), and memory for at
-    most one copy of weights and optimizer state (the rollback point; on
-    TensorFlow and JAX the update is computed out of place, so keeping the
-    old values copies nothing; on torch it is one copy per step). Measured in
-    BENCHMARKS.md.
-
+    over the new weights and optimizer state (their check), and memory for
+    about one copy of weights and optimizer state, the rollback point. On
+    TensorFlow and JAX the old values are kept while the update is computed
+    out of place, so no copying work is done; on torch the state is copied
+    once per step. Measured in BENCHMARKS.md.
 
     Counters (scalar optimizer variables, saved with the optimizer; read them
     with `int(...)`/`float(...)` or all at once with `counters()`):
