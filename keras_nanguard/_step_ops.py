@@ -27,11 +27,24 @@ def scale(g: Any, factor: Any) -> Any:
     return g * ops.cast(factor, g.dtype)
 
 
-def snapshot(variables: list[keras.Variable]) -> list[Any]:
-    """The values of `variables` now, unaffected by later in-place updates."""
+def snapshot(variables: list[keras.Variable], buffers: list | None = None) -> list:
+    """The values of `variables` now, unaffected by later in-place updates.
+
+    On torch the values are copied, into `buffers` when given: reusing the
+    same buffers each step is several times faster than fresh clones (no
+    allocation, no page faults), at the price of holding them between steps.
+    """
     backend = keras.backend.backend()
     if backend == "torch":
-        return [v.value.detach().clone() for v in variables]
+        values = [v.value.detach() for v in variables]
+        if buffers is None:
+            return [t.clone() for t in values]
+        import torch
+
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, values)
+        return buffers
+
     if backend == "tensorflow":
         import tensorflow as tf
 

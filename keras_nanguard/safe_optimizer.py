@@ -69,7 +69,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     about one copy of weights and optimizer state, the rollback point. On
     TensorFlow and JAX the old values are kept while the update is computed
     out of place, so no copying work is done; on torch the state is copied
-    once per step. Measured in BENCHMARKS.md.
+    once per step into buffers that are kept and reused. Measured in
+    BENCHMARKS.md.
+
 
     Counters (scalar optimizer variables, saved with the optimizer; read them
     with `int(...)`/`float(...)` or all at once with `counters()`):
@@ -409,7 +411,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
         # The rollback point: weights and all inner optimizer variables, read
         # before the inner update writes to them.
-        backup = step_ops.snapshot(state)
+        backup = step_ops.snapshot(state, self._plans.rollback_buffers(state))
+
         if self.lr_backoff is None:
             update(clip)
         else:
@@ -587,6 +590,26 @@ class _Plans:
     def __init__(self) -> None:
         self.cache: dict[tuple, tuple] = {}
         self.names: tuple[list[str], list[str]] = ([], [])
+        self.buffers: dict[tuple, tuple[list, list]] = {}
+
+    def rollback_buffers(self, state: list[keras.Variable]) -> list | None:
+        """torch, eager: host-side buffers the rollback snapshot is copied
+        into, made once and reused every step; otherwise `None`."""
+        if keras.backend.backend() != "torch":
+            return None
+        import torch
+
+        if torch.compiler.is_compiling():
+            return None  # no Python-held tensors inside a compiled graph
+        key = tuple(id(v) for v in state)
+        if key not in self.buffers:
+            # The variables are kept with their buffers, so their ids cannot
+            # be reused by other variables while the key lives.
+            self.buffers[key] = (
+                list(state),
+                [torch.empty_like(v.value) for v in state],
+            )
+        return self.buffers[key][1]
 
 
 def _resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
