@@ -27,7 +27,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
-from bench_safe_optimizer import time_steps  # this folder is on sys.path
+from _stats import ratio_summary  # this folder is on sys.path
+from bench_safe_optimizer import time_steps
 
 
 def main() -> int:
@@ -91,10 +92,9 @@ def main() -> int:
     print("| what | time (median) | in training steps |")
     print("|---|---|---|")
     for name, t in times.items():
-        r = [a / b for a, b in zip(t, base, strict=True)]
         print(
             f"| {name} | {1e3 * statistics.median(t):.0f} ms | "
-            f"{statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}] |"
+            f"{ratio_summary(t, base, digits=2)} |"
         )
     return 0
 

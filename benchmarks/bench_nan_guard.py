@@ -25,6 +25,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+from _stats import ratio_summary  # this folder is on sys.path
 
 SIZES = {"1M": 316, "10M": 1000, "100M": 3162}  # width of 10 square layers
 
@@ -148,10 +149,9 @@ def main() -> int:
     print("| configuration | step time (median) | ratio to no callback |")
     print("|---|---|---|")
     for name, times in res["per_round"].items():
-        ratios = [a / b for a, b in zip(times, base, strict=True)]
         print(
             f"| {name} | {1e3 * statistics.median(times):.3f} ms | "
-            f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] |"
+            f"{ratio_summary(times, base)} |"
         )
     print(
         f"\nSnapshots taken in the last run: {res['snapshots']} "

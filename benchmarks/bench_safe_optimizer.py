@@ -36,6 +36,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+from _stats import ratio_summary  # this folder is on sys.path
 
 CONFIGS = ("inner", "global_clipnorm", "loss_scale", "safe")
 MODELS = {
@@ -262,12 +263,9 @@ def report(name: str, timing: dict, memory: dict | None) -> str:
     ]
     for c in CONFIGS:
         t = timing["per_round"][c]
-        r1 = [a / b for a, b in zip(t, base, strict=True)]
-        r2 = [a / b for a, b in zip(t, clip, strict=True)]
         row = (
             f"| {c} | {1e3 * statistics.median(t):.2f} ms "
-            f"| {statistics.median(r1):.3f} [{min(r1):.3f}, {max(r1):.3f}] "
-            f"| {statistics.median(r2):.3f} [{min(r2):.3f}, {max(r2):.3f}] |"
+            f"| {ratio_summary(t, base)} | {ratio_summary(t, clip)} |"
         )
         if memory:
             peak = memory[c]["peak_rss_mb"]

@@ -21,6 +21,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
+from _stats import ratio_summary  # this folder is on sys.path
 
 
 def _fwd_bwd(layer, w):
@@ -103,10 +104,9 @@ def main() -> int:
     print("| layer | time per call (median) | ratio to keras.layers.Softmax |")
     print("|---|---|---|")
     for name, t in times.items():
-        r = [a / b for a, b in zip(t, base, strict=True)]
         print(
             f"| {name} | {1e3 * statistics.median(t):.3f} ms | "
-            f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] |"
+            f"{ratio_summary(t, base)} |"
         )
     return 0
 
