@@ -181,14 +181,14 @@ def probe_update(model, optimizer, grads, leaves):
         else:
             optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         for name, layer in leaves:
-            bad = [w.name for w in layer.trainable_weights if not finite(host(w))]
+            bad = [
+                w.name
+                for w in layer.trainable_weights
+                if not snapshots.host_finite(snapshots.host_view(w))
+            ]
             if bad:
                 return name, bad
-        bad = [
-            getattr(v, "path", v.name)
-            for v in optimizer.variables
-            if not finite(host(v))
-        ]
+        bad = snapshots.nonfinite_variables(optimizer.variables)
         return (None, bad) if bad else None
     finally:
         for v, value in zip(optimizer.variables, saved, strict=True):
@@ -215,7 +215,7 @@ def clipped_gradients_finite(model, x, loss_of, which) -> bool:
     grads = fresh_gradients(
         model, x, lambda y_pred: loss_of(clip_probabilities(y_pred, which))
     )
-    return all(g is None or finite(g) for g in grads)
+    return all(g is None or snapshots.host_finite(g) for g in grads)
 
 
 def scaled_loss_finite(loss_of, y_pred, y) -> bool:
@@ -247,17 +247,8 @@ def to_tensors(data: Any) -> Any:
     return keras.tree.map_structure(convert, data)
 
 
-def host(v: Any) -> np.ndarray:
-    # A view where possible: read at once, never kept.
-    return snapshots.host_view(v)
-
-
 def host_tree(data: Any) -> list[np.ndarray]:
-    return [host(t) for t in keras.tree.flatten(data) if t is not None]
-
-
-def finite(value: np.ndarray) -> bool:
-    return value.dtype.kind != "f" or bool(np.isfinite(value).all())
+    return [snapshots.host_view(t) for t in keras.tree.flatten(data) if t is not None]
 
 
 def nonfinite_arrays(data: Any) -> str:
@@ -285,7 +276,7 @@ def probability_outputs(y_pred, last_layer) -> list[bool] | None:
     )
     which = []
     for t in flat:
-        v = host(t)
+        v = snapshots.host_view(t)
         in_range = (
             v.dtype.kind == "f"
             and v.size
@@ -302,7 +293,9 @@ def probability_outputs(y_pred, last_layer) -> list[bool] | None:
 
 def fraction_zero(y_pred, which: list[bool]) -> float:
     probs = [
-        host(t) for t, w in zip(keras.tree.flatten(y_pred), which, strict=True) if w
+        snapshots.host_view(t)
+        for t, w in zip(keras.tree.flatten(y_pred), which, strict=True)
+        if w
     ]
     return sum(int(np.sum(p == 0)) for p in probs) / max(1, sum(p.size for p in probs))
 
@@ -321,7 +314,3 @@ def max_abs(data) -> float:
 
 def to_float(value) -> float:
     return float(np.asarray(ops.convert_to_numpy(value)).astype(np.float64).mean())
-
-
-def path(v) -> str:
-    return getattr(v, "path", None) or v.name

@@ -243,7 +243,11 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
         if bad:
             return _result(stage, None, [cause], f"{stage}s: {bad}")
     for name, layer in leaves:
-        bad = [v.name for v in layer.weights if not probes.finite(probes.host(v))]
+        bad = [
+            v.name
+            for v in layer.weights
+            if not snapshots.host_finite(snapshots.host_view(v))
+        ]
         if bad:
             return _result(
                 "weights",
@@ -252,11 +256,7 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
                 f"non-finite weights {bad} in layer '{name}'",
             )
     if optimizer is not None:
-        bad = [
-            getattr(v, "path", v.name)
-            for v in optimizer.variables
-            if not probes.finite(probes.host(v))
-        ]
+        bad = snapshots.nonfinite_variables(optimizer.variables)
         if bad:
             return _result(
                 "weights",
@@ -330,7 +330,9 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
             float(np.sqrt(sum(n * n for n in per_layer))) if per_layer else None
         )
     global_norm = float(np.sqrt(sum(n * n for n in norms if n is not None)))
-    bad = [i for i, g in enumerate(grads) if g is not None and not probes.finite(g)]
+    bad = [
+        i for i, g in enumerate(grads) if g is not None and not snapshots.host_finite(g)
+    ]
     if bad:
         order = {name: k for k, (name, _) in enumerate(leaves)}
         last = max(bad, key=lambda i: order.get(owner.get(id(tv[i])), -1))
@@ -345,14 +347,16 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
             layer,
             causes,
             f"forward pass and loss ({_fmt(loss_value)}) are finite, but the "
-            f"gradient of '{probes.path(tv[last])}' is not (going backward, the "
+            f"gradient of '{snapshots.variable_name(tv[last])}' is not (going backward, the "
             f"first of {len(bad)} non-finite gradients)",
             stats,
             loss_value,
             global_norm,
         )
     weight_norm = float(
-        np.sqrt(sum(np.sum(np.square(probes.host(v), dtype=np.float64)) for v in tv))
+        np.sqrt(
+            sum(np.sum(np.square(snapshots.host_view(v), dtype=np.float64)) for v in tv)
+        )
     )
     if global_norm > _EXPLODING * (1.0 + weight_norm):
         biggest = max(
@@ -437,7 +441,7 @@ def _overflow_hints(upto: list) -> list[str]:
             "layers), or a bounded activation (tanh) where values must stay small."
         )
     weights = [
-        float(np.max(np.abs(probes.host(w)), initial=0.0))
+        float(np.max(np.abs(snapshots.host_view(w)), initial=0.0))
         for lay in upto
         for w in lay.weights
     ]

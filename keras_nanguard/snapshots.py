@@ -55,7 +55,7 @@ def _unchecked(model: keras.Model) -> set[int]:
     return set() if safe is None else {id(v) for v in safe._history_variables()}
 
 
-def _name(v: keras.Variable) -> str:
+def variable_name(v: keras.Variable) -> str:
     return getattr(v, "path", None) or v.name
 
 
@@ -91,22 +91,26 @@ def host_view(v: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def _finite(value: np.ndarray) -> bool:
+def host_finite(value: np.ndarray) -> bool:
+    """Whether a host array holds no NaN or inf (non-float arrays always do)."""
     if value.dtype.kind != "f":
         return True
     # A sum reads once and allocates nothing; only a non-finite sum (a NaN or
     # inf, or an overflow of the sum itself) needs the exact check.
-    return bool(np.isfinite(value.sum())) or bool(np.isfinite(value).all())
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf, overflow
+        total = value.sum()
+    return bool(np.isfinite(total)) or bool(np.isfinite(value).all())
+
+
+def nonfinite_variables(variables: list[keras.Variable]) -> list[str]:
+    """Names of the `variables` holding NaN or inf (host read)."""
+    return [variable_name(v) for v in variables if not host_finite(host_view(v))]
 
 
 def nonfinite_names(model: keras.Model) -> list[str]:
     """Names of the model/optimizer variables holding NaN or inf (host read)."""
     skip = _unchecked(model)
-    return [
-        _name(v)
-        for v in _tracked(model)
-        if id(v) not in skip and not _finite(host_view(v))
-    ]
+    return nonfinite_variables([v for v in _tracked(model) if id(v) not in skip])
 
 
 def take(
@@ -123,13 +127,13 @@ def take(
     skip = _unchecked(model)
     views = [host_view(v) for v in variables]
     bad = [
-        _name(v)
+        variable_name(v)
         for v, view in zip(variables, views, strict=True)
-        if id(v) not in skip and not _finite(view)
+        if id(v) not in skip and not host_finite(view)
     ]
     if bad:
         return None, bad
-    names = [_name(v) for v in variables]
+    names = [variable_name(v) for v in variables]
     if (
         into is not None
         and into.names == names
