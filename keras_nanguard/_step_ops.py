@@ -4,6 +4,8 @@ small tensor helpers. Each backend's path stays in one named function."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -54,16 +56,19 @@ def snapshot(variables: list[keras.Variable], buffers: list | None = None) -> li
     return [v.value for v in variables]  # JAX arrays are immutable.
 
 
-def tf_update_out_of_place(inner: keras.optimizers.Optimizer) -> None:
-    """Makes `inner`'s in-place `assign_add`/`assign_sub` compute out of place.
+@contextlib.contextmanager
+def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
+    """TensorFlow: `inner`'s `assign_add`/`assign_sub` compute out of place
+    for the length of one step (its trace, in a compiled step).
 
     While the rollback snapshot holds a reference to a variable's buffer,
     TensorFlow copies that buffer before any in-place update (copy-on-write):
     one extra copy of the weights per step. Computing `variable + value` and
-    assigning it swaps buffers instead, at the cost of the in-place update.
-    Sparse updates (`IndexedSlices`) keep the inner optimizer's own path.
+    assigning it swaps buffers instead. Sparse updates (`IndexedSlices`) keep
+    the inner optimizer's own path. Other backends: nothing changes.
     """
-    if getattr(inner, "_nanguard_out_of_place", False):
+    if keras.backend.backend() != "tensorflow" or "assign_add" in vars(inner):
+        yield
         return
     cls = type(inner)
 
@@ -77,9 +82,11 @@ def tf_update_out_of_place(inner: keras.optimizers.Optimizer) -> None:
             return cls.assign_sub(inner, variable, value)
         return inner.assign(variable, variable - ops.cast(value, variable.dtype))
 
-    inner.assign_add = assign_add
-    inner.assign_sub = assign_sub
-    inner._nanguard_out_of_place = True
+    inner.assign_add, inner.assign_sub = assign_add, assign_sub
+    try:
+        yield
+    finally:
+        del inner.assign_add, inner.assign_sub
 
 
 def restore_unless(ok: Any, state: list, backup: list) -> None:

@@ -1,5 +1,9 @@
-"""Argument checks shared by the public classes; errors name the argument and
-end with `Received: ...`."""
+"""Argument checks shared by the public classes: one rule everywhere.
+
+A value of the wrong type raises `TypeError`, a value of the right type out
+of range raises `ValueError`; both name the argument in backticks and end
+with `Received: name=value`. NumPy scalars count as the numbers they hold.
+"""
 
 from __future__ import annotations
 
@@ -15,16 +19,16 @@ def is_int(value: Any, low: int | None = None) -> bool:
     """An integer (Python or NumPy, not bool), at least `low` when given."""
     return (
         isinstance(value, int | np.integer)
-        and not isinstance(value, bool)
+        and not isinstance(value, bool | np.bool_)
         and (low is None or value >= low)
     )
 
 
 def is_number(value: Any) -> bool:
-    """A finite Python int or float (not bool)."""
+    """A finite real number (Python or NumPy, not bool)."""
     return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
+        isinstance(value, int | float | np.integer | np.floating)
+        and not isinstance(value, bool | np.bool_)
         and math.isfinite(value)
     )
 
@@ -33,7 +37,9 @@ def check_positive(name: str, value: Any, allow_none: bool = False) -> Any:
     """`value` as a float, if it is a finite number > 0 (or None if allowed)."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, int | float | np.integer | np.floating
+    ):
         raise TypeError(
             f"`{name}` must be a positive number. Received: {name}={value!r}"
         )
@@ -42,6 +48,35 @@ def check_positive(name: str, value: Any, allow_none: bool = False) -> Any:
             f"`{name}` must be a finite number > 0. Received: {name}={value!r}"
         )
     return float(value)
+
+
+def check_in(
+    name: str, value: Any, low: float, high: float, *, closed_high: bool
+) -> float:
+    """`value` as a float, if it is a number in (low, high) or (low, high]."""
+    value = check_positive(name, value) if low == 0 else value
+    inside = low < value < high or (closed_high and value == high)
+    if not inside:
+        bracket = "]" if closed_high else ")"
+        raise ValueError(
+            f"`{name}` must be in ({low:g}, {high:g}{bracket}. "
+            f"Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def check_int(name: str, value: Any, low: int, allow_none: bool = False) -> Any:
+    """`value` as an int, if it is an integer >= `low` (or None if allowed)."""
+    if value is None and allow_none:
+        return None
+    if not is_int(value):
+        what = f"an integer >= {low}" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {what}. Received: {name}={value!r}")
+    if value < low:
+        raise ValueError(
+            f"`{name}` must be an integer >= {low}. Received: {name}={value!r}"
+        )
+    return int(value)
 
 
 def check_writable(directory: str, name: str) -> None:

@@ -256,7 +256,7 @@ def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
                 f"non-finite weights {bad} in layer '{name}'",
             )
     if optimizer is not None:
-        bad = snapshots.nonfinite_variables(optimizer.variables)
+        bad = snapshots.nonfinite_variables(snapshots.optimizer_state(optimizer))
         if bad:
             return _result(
                 "weights",

@@ -245,6 +245,8 @@ class NaNGuard(keras.callbacks.Callback):
         self._rollbacks_since_snapshot = 0
         self._skip_left = 0
         self._safe = snapshots.find_safe_optimizer(self.model.optimizer)
+        if self._safe is not None:  # a rejected step keeps BN statistics too
+            self._safe.attach(self.model)
         self._snapshots = _Cadence(self.snapshot_every, self.snapshot_budget, 10)
         self._checks = _Cadence(self.check_every, 0.01, 1)
         self._last_time: float | None = None

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
+from keras_nanguard import _model_state as model_state
 from keras_nanguard import _step_ops as step_ops
 from keras_nanguard import numerics
-from keras_nanguard._validation import check_positive
+from keras_nanguard._validation import check_in, check_int, check_positive
 from keras_nanguard.errors import NonFiniteError
 
 _REASONS = {0: "none", 1: "gradient", 2: "update"}
@@ -42,6 +46,32 @@ _HISTORY = (
 )
 
 
+def _forwarded(name: str) -> property:
+    """An attribute of `keras.optimizers.Optimizer` that belongs to the inner
+    optimizer: read and written through the wrapper."""
+
+    def get(self: SafeOptimizer) -> Any:
+        return getattr(self.inner_optimizer, name)
+
+    def set_(self: SafeOptimizer, value: Any) -> None:
+        # The base class's __init__ writes its own defaults before the inner
+        # optimizer is known; those are not the user's and are dropped.
+        if "inner_optimizer" in self.__dict__:
+            setattr(self.inner_optimizer, name, value)
+
+    return property(get, set_, doc=f"The inner optimizer's `{name}`.")
+
+
+class _Plan(NamedTuple):
+    """What one shape of call checks; Python-only work, made once per shape."""
+
+    checked: list[int]  # positions of the gradients that are checked
+    state: list[keras.Variable]  # weights, then every inner optimizer variable
+    floats: list[int]  # positions in `state` of the float variables
+    grad_index: Any  # int32 tensor: checked gradient -> reported index
+    state_index: Any  # int32 tensor: checked float state -> reported index
+
+
 @keras.saving.register_keras_serializable(package="keras_nanguard")
 class SafeOptimizer(keras.optimizers.Optimizer):
     r"""Wraps any Keras optimizer so that a bad step is never applied.
@@ -60,37 +90,48 @@ class SafeOptimizer(keras.optimizers.Optimizer):
        and `iterations` (so also the learning-rate schedule position)
        bit-identical to what they were; only the counters below change.
 
-    The decision is taken on the device, inside the compiled step
-    (`tf.function`, XLA, `jax.jit`): there is no host synchronisation. On the
-    PyTorch backend, where Keras runs steps eagerly, the two decisions are
-    Python branches on a device scalar, as in Keras's `LossScaleOptimizer`.
-    The cost: one fused pass over the gradients (their norm), one read pass
-    over the new weights and optimizer state (their check), and memory for
-    about one copy of weights and optimizer state, the rollback point. On
-    TensorFlow and JAX the old values are kept while the update is computed
-    out of place, so no copying work is done; on torch the state is copied
-    once per step into buffers that are kept and reused. Measured in
-    BENCHMARKS.md.
+    The forward pass writes state of its own before the optimizer runs
+    (BatchNormalization statistics, other non-trainable variables,
+    seed-generator state, torch buffers inside `TorchModuleWrapper`). Keras
+    does not tell an optimizer which model it trains, so one call ties them:
+    `opt.attach(model)` for `fit`/`train_on_batch` (`NaNGuard` makes it for
+    you), `with opt.transaction(model):` around a custom TensorFlow or torch
+    step, `opt.stateless_commit(...)` in a JAX stateless loop. A rejected
+    step then leaves that state bit-identical too; seed-generator state
+    included, so a rejected step does not advance dropout's random stream
+    and training with bad batches equals training without them.
 
+    The decision is taken on the device, inside the compiled step
+    (`tf.function`, XLA, `jax.jit`). Costs are measured in BENCHMARKS.md.
 
     Counters (scalar optimizer variables, saved with the optimizer; read them
     with `int(...)`/`float(...)` or all at once with `counters()`):
 
     - `skipped_steps`: rejected steps in total.
-    - `consecutive_skips`: rejected steps since the last accepted one.
+    - `consecutive_skips`: rejected steps since the last accepted one (0
+      exactly when the last step was accepted).
     - `nonfinite_gradient_steps`: rejected because a gradient was NaN/inf.
     - `nonfinite_update_steps`: rejected because the update would have made a
       weight or an optimizer variable NaN/inf.
-    - `clipped_steps`: accepted steps whose gradients were clipped.
+    - `clipped_steps`: accepted steps whose gradients were clipped (with
+      gradient accumulation, the inner optimizer clips the accumulated
+      gradient and this counter stays 0).
     - `last_grad_norm`: global norm of the raw gradients of the last step
       (NaN or inf when they were not finite).
     - `rejected_grad_norm`: the same for the last rejected step.
     - `last_rejection`: why the last rejected step was rejected
       (0 never, 1 gradient, 2 update); `describe_last_rejection()` says it in
       words, naming the first variable involved (`last_nonfinite_index` is
-      its position among the gradients, or among the weights and optimizer
-      variables, that were checked).
+      its position in the model's trainable variables followed by the inner
+      optimizer's variables).
     - `lr_scale`: the current learning-rate back-off factor (1 without it).
+
+    Everything else of `keras.optimizers.Optimizer` is the inner optimizer's,
+    read and set through the wrapper: `learning_rate` (and schedules),
+    `iterations`, `weight_decay`, `exclude_from_weight_decay()`, EMA
+    (`use_ema`, `finalize_variable_values()`), `gradient_accumulation_steps`
+    (`clipnorm` then clips the accumulated gradient that is applied).
+    `variables` are the counters followed by the inner optimizer's variables.
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` to wrap, or the name of a
@@ -117,8 +158,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             on the host: at once in eager steps (custom loops, the torch
             backend, `run_eagerly=True`), or when you call `check_halted()`.
             In compiled `model.fit` steps, a `NaNGuard` treats the halt as
-            trouble and follows its policy (its rollback resets the streak).
-            Defaults to `None` (never halt).
+            trouble and follows its policy (its rollback resets the streak);
+            without one, `fit` warns when it ends. Defaults to `None`.
         name: the optimizer's name. Defaults to an automatic name.
 
     Example:
@@ -128,6 +169,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2), clipnorm=1.0)
     >>> model.compile(optimizer=opt, loss="mse")
+    >>> opt.attach(model)                     # non-trainable state too
     >>> x = np.ones((8, 4), "float32"); y = np.ones((8, 1), "float32")
     >>> x[3, 0] = np.nan                      # one poisoned sample
     >>> _ = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
@@ -136,6 +178,15 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     >>> bool(np.isfinite(model.layers[0].kernel.numpy()).all())
     True
     """
+
+    weight_decay = _forwarded("weight_decay")
+    global_clipnorm = _forwarded("global_clipnorm")
+    clipvalue = _forwarded("clipvalue")
+    use_ema = _forwarded("use_ema")
+    ema_momentum = _forwarded("ema_momentum")
+    ema_overwrite_frequency = _forwarded("ema_overwrite_frequency")
+    loss_scale_factor = _forwarded("loss_scale_factor")
+    gradient_accumulation_steps = _forwarded("gradient_accumulation_steps")
 
     def __init__(
         self,
@@ -162,58 +213,25 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             )
         inner = _resolve_inner(optimizer)
         clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
-        if clipnorm is not None:
-            inner_clip = {
-                k: getattr(inner, k)
-                for k in ("clipnorm", "global_clipnorm", "clipvalue")
-                if getattr(inner, k, None) is not None
-            }
-            if inner_clip:
-                raise ValueError(
-                    "Set gradient clipping on the SafeOptimizer or on the inner "
-                    "optimizer, not both: clipping before the finiteness check "
-                    "turns every gradient into NaN when the norm is not finite. "
-                    f"Received: clipnorm={clipnorm} and inner optimizer "
-                    f"{inner_clip}"
-                )
+        _check_clipping(inner, clipnorm)
         if lr_backoff is not None:
-            lr_backoff = check_positive("lr_backoff", lr_backoff)
-            if not lr_backoff < 1:
-                raise ValueError(
-                    f"`lr_backoff` must be in (0, 1). Received: lr_backoff={lr_backoff}"
-                )
+            lr_backoff = check_in("lr_backoff", lr_backoff, 0, 1, closed_high=False)
             if not isinstance(inner.learning_rate, keras.Variable):
                 raise ValueError(
                     "`lr_backoff` needs the inner optimizer's learning rate to "
                     "be a float, not a schedule or a callable. Received: "
                     f"learning_rate={inner._learning_rate!r}"
                 )
-        if (
-            isinstance(lr_recovery_steps, bool)
-            or not isinstance(lr_recovery_steps, int)
-            or lr_recovery_steps < 1
-        ):
-            raise ValueError(
-                "`lr_recovery_steps` must be an integer >= 1. "
-                f"Received: lr_recovery_steps={lr_recovery_steps!r}"
-            )
-        min_lr_scale = check_positive("min_lr_scale", min_lr_scale)
-        if min_lr_scale > 1:
-            raise ValueError(
-                "`min_lr_scale` must be in (0, 1]. "
-                f"Received: min_lr_scale={min_lr_scale}"
-            )
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
-            raise ValueError(
-                "`max_consecutive_skips` must be an integer >= 1 or None. "
-                f"Received: max_consecutive_skips={max_consecutive_skips!r}"
-            )
+        lr_recovery_steps = check_int("lr_recovery_steps", lr_recovery_steps, 1)
+        min_lr_scale = check_in("min_lr_scale", min_lr_scale, 0, 1, closed_high=True)
+        max_consecutive_skips = check_int(
+            "max_consecutive_skips", max_consecutive_skips, 1, allow_none=True
+        )
 
         super().__init__(learning_rate=0.0, name=name)
+        # The base class made an `iteration` and a `learning_rate` variable;
+        # the wrapper uses the inner optimizer's, so they are not state.
+        self._variables.clear()
         self.inner_optimizer = inner
         self.clipnorm = clipnorm
         self.lr_backoff = lr_backoff
@@ -233,15 +251,74 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
+        var_list = list(var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        if keras.backend.backend() == "tensorflow":
-            step_ops.tf_update_out_of_place(self.inner_optimizer)
-        super().build(var_list)
+        # Not super().build(): it reads the forwarded `use_ema` and
+        # `gradient_accumulation_steps` and would make a second set of
+        # averages and accumulators. Set untracked, as the base class does:
+        # the model's variables are not the optimizer's.
+        object.__setattr__(self, "_trainable_variables", var_list)
+        object.__setattr__(
+            self,
+            "_trainable_variables_indices",
+            {id(v): i for i, v in enumerate(var_list)},
+        )
+        self.built = True
 
     @property
     def variables(self) -> list[keras.Variable]:
         return self._variables[:] + self.inner_optimizer.variables
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Sets `variables` (counters, then the inner optimizer's), or only
+        the inner optimizer's when given as many values as it has."""
+        if not self.built:
+            raise ValueError(
+                "Call `optimizer.build(trainable_variables)` before "
+                "`set_weights()`: the optimizer has no variables yet."
+            )
+        weights = list(weights)
+        targets = self.variables
+        if len(weights) == len(self.inner_optimizer.variables):
+            targets = self.inner_optimizer.variables
+        elif len(weights) != len(targets):
+            raise ValueError(
+                "`weights` must hold one value per variable of the SafeOptimizer "
+                f"({len(targets)}) or of its inner optimizer "
+                f"({len(self.inner_optimizer.variables)}). "
+                f"Received: {len(weights)} values"
+            )
+        for variable, weight in zip(targets, weights, strict=True):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(
+                    f"Optimizer variable '{variable.path}' has shape "
+                    f"{tuple(variable.shape)}, not that of the value given. "
+                    f"Received: shape {tuple(np.shape(weight))}"
+                )
+        for variable, weight in zip(targets, weights, strict=True):
+            variable.assign(weight)
+
+    def load_own_variables(self, store: Any) -> None:
+        # Files from keras-nanguard 0.1 also hold the two variables of the
+        # base class that are no longer state (`iteration`, `learning_rate`).
+        if len(store.keys()) == len(self.variables) + 2:
+            store = {str(i): store[str(i + 2)] for i in range(len(self.variables))}
+        super().load_own_variables(store)
+
+    def exclude_from_weight_decay(
+        self,
+        var_list: Sequence[keras.Variable] | None = None,
+        var_names: Sequence[str] | None = None,
+    ) -> None:
+        """Excludes variables from the inner optimizer's weight decay; see
+        `keras.optimizers.Optimizer.exclude_from_weight_decay`."""
+        self.inner_optimizer.exclude_from_weight_decay(
+            var_list=var_list, var_names=var_names
+        )
+
+    def scale_loss(self, loss: Any) -> Any:
+        return self.inner_optimizer.scale_loss(loss)
 
     @property
     def learning_rate(self) -> Any:
@@ -260,6 +337,13 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.iterations.assign(value)
 
     def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
+        # The end of `fit` is a point on the host: a halt is said there.
+        if self.max_consecutive_skips is not None and self._halted():
+            warnings.warn(
+                f"SafeOptimizer halted: {self._halt_message()} Every step "
+                "after the halt was rejected.",
+                stacklevel=2,
+            )
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # ------------------------------------------------------------ the step
@@ -295,6 +379,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"Received: len(grads)={len(grads)}, "
                 f"len(trainable_variables)={len(trainable_variables)}"
             )
+        self._plans.steps += 1
         if keras.backend.backend() == "tensorflow":
             self._tf_apply(grads, trainable_variables)
         else:
@@ -352,9 +437,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
         ctx.merge_call(cross_replica, args=(summed, grads, variables))
 
-    def _plan(self, grads: list[Any], variables: list[keras.Variable]) -> tuple:
-        """Which gradients and which state variables a step checks, and their
-        names; computed once per shape of call (it is Python-only work)."""
+    def _plan(self, grads: list[Any], variables: list[keras.Variable]) -> _Plan:
         key = (tuple(id(v) for v in variables), tuple(g is None for g in grads))
         plan = self._plans.cache.get(key)
         if plan is None:
@@ -365,11 +448,19 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             ]
             state = list(variables) + list(self.inner_optimizer.variables)
             floats = [j for j, v in enumerate(state) if step_ops.is_float_variable(v)]
-            names = (
-                [_path(variables[i]) for i in checked],
-                [_path(state[j], optimizer=j >= len(variables)) for j in floats],
+            # Reported indices: into the built variables, then the inner
+            # optimizer's, so that names can be found again after loading.
+            built = self._trainable_variables_indices
+            n = len(self._trainable_variables)
+            reported = [built.get(id(v), -1) for v in variables]
+            reported += [n + k for k in range(len(state) - len(variables))]
+            plan = self._plans.cache[key] = _Plan(
+                checked,
+                state,
+                floats,
+                np.array([reported[i] for i in checked], "int32"),
+                np.array([reported[j] for j in floats], "int32"),
             )
-            plan = self._plans.cache[key] = (checked, state, floats, names)
         return plan
 
     def _transaction(
@@ -385,18 +476,17 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         `tf.distribute`, `_tf_apply` hands each replica its own).
         """
         inner = self.inner_optimizer
-        checked, state, floats, names = self._plan(grads, variables)
-        # Names of what the counters' indices point at, for the reports.
-        self._plans.names = names
-
-        scale, rel, grad_finite = numerics.norm_parts([grads[i] for i in checked])
+        plan = self._plan(grads, variables)
+        scale, rel, grad_finite = numerics.norm_parts([grads[i] for i in plan.checked])
         grads_ok = ops.all(grad_finite)
+        # With gradient accumulation the applied gradient is the accumulated
+        # one, which the inner optimizer clips itself (see `_inner_settings`).
+        accumulating = bool(inner.gradient_accumulation_steps)
         clipped, factor = None, None
-        if self.clipnorm is not None:
+        if self.clipnorm is not None and not accumulating:
             factor = ops.minimum(1.0, (self.clipnorm / scale) / rel)
             clipped = factor < 1.0
-
-        to_clip = set(checked)
+        to_clip = set(plan.checked)
 
         def clip(gs: list) -> list:
             if factor is None:
@@ -411,38 +501,54 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
         # The rollback point: weights and all inner optimizer variables, read
         # before the inner update writes to them.
-        backup = step_ops.snapshot(state, self._plans.rollback_buffers(state))
+        backup = step_ops.snapshot(plan.state, self._plans.rollback_buffers(plan.state))
+        with self._inner_settings(accumulating):
+            if self.lr_backoff is None:
+                update(clip)
+            else:
+                lr_var = inner.learning_rate
+                (base_lr,) = step_ops.snapshot([lr_var])
+                lr_var.assign(base_lr * ops.cast(self.lr_scale.value, lr_var.dtype))
+                update(clip)
+                lr_var.assign(base_lr)
 
-        if self.lr_backoff is None:
-            update(clip)
-        else:
-            lr_var = inner.learning_rate
-            (base_lr,) = step_ops.snapshot([lr_var])
-            lr_var.assign(base_lr * ops.cast(self.lr_scale.value, lr_var.dtype))
-            update(clip)
-            lr_var.assign(base_lr)
-
-        new_finite = numerics.finite_flags([state[j] for j in floats])
+        new_finite = numerics.finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
         if self.max_consecutive_skips is not None:  # halted: reject everything
             ok = ops.logical_and(
                 ok, self.consecutive_skips.value < self.max_consecutive_skips
             )
-        step_ops.restore_unless(ok, state, backup)
-        self._count(
-            ok,
+        step_ops.restore_unless(ok, plan.state, backup)
+        bad_index = ops.where(
             grads_ok,
-            update_ok,
-            clipped,
-            scale * rel,
-            step_ops.first_false(grad_finite),
-            step_ops.first_false(new_finite),
+            ops.take(plan.state_index, step_ops.first_false(new_finite)),
+            ops.take(plan.grad_index, step_ops.first_false(grad_finite)),
+        )
+        self._count(
+            ok=ok,
+            grads_ok=grads_ok,
+            update_ok=update_ok,
+            clipped=clipped,
+            norm=scale * rel,
+            bad_index=bad_index,
         )
 
-    def _count(
-        self, ok, grads_ok, update_ok, clipped, norm, first_bad_grad, first_bad_state
-    ) -> None:
+    @contextlib.contextmanager
+    def _inner_settings(self, accumulating: bool) -> Iterator[None]:
+        """Settings of the inner optimizer for the length of one step (a
+        trace, in compiled steps); nothing about it is changed for good."""
+        inner = self.inner_optimizer
+        saved = inner.global_clipnorm
+        if accumulating and self.clipnorm is not None:
+            inner.global_clipnorm = self.clipnorm
+        try:
+            with step_ops.out_of_place_updates(inner):
+                yield
+        finally:
+            inner.global_clipnorm = saved
+
+    def _count(self, *, ok, grads_ok, update_ok, clipped, norm, bad_index) -> None:
         i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
         bad_grad = ~grads_ok
         bad_update = ops.logical_and(grads_ok, ~update_ok)
@@ -469,11 +575,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         failed = reason > 0
         self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))
         self.last_nonfinite_index.assign(
-            ops.where(
-                failed,
-                ops.where(bad_grad, first_bad_grad, first_bad_state),
-                self.last_nonfinite_index.value,
-            )
+            ops.where(failed, bad_index, self.last_nonfinite_index.value)
         )
         if self.lr_backoff is None:
             return
@@ -488,9 +590,186 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self.lr_scale.assign(ops.clip(lr_scale, self.min_lr_scale, 1.0))
         self.consecutive_accepts.assign(ops.where(recover, 0, accepts))
 
+    # ------------------------------------------------- the model's own state
+    def attach(self, model: keras.Model) -> None:
+        """Ties this optimizer to `model`, so that in `model.fit`,
+        `train_on_batch` and the like a rejected step also leaves the state
+        the forward pass writes bit-identical: BatchNormalization statistics,
+        every non-trainable variable, seed-generator state, and on torch the
+        buffers of modules inside `keras.layers.TorchModuleWrapper`.
+
+        Keras does not tell an optimizer which model it trains; this call
+        does, by wrapping the model's `train_step` (its public override
+        point) in a transaction. Call it once, before or after `compile`;
+        `NaNGuard` calls it for you. The model must be compiled with this
+        optimizer (or a `LossScaleOptimizer` around it) when it trains.
+
+        Args:
+            model: the `keras.Model` this optimizer trains.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> opt.attach(model)
+        >>> x = np.array([[np.nan, 1.0]] * 4, "float32")
+        >>> _ = model.fit(x, np.ones((4, 1)), verbose=0)
+        >>> model.layers[0].moving_mean.numpy().tolist()   # untouched
+        [0.0, 0.0]
+        """
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "`model` must be a `keras.Model`. "
+                f"Received: model={model!r} of type {type(model).__name__}"
+            )
+        self._check_is_optimizer_of(model)
+        step = model.train_step
+        if getattr(step, "_nanguard_optimizer", None) is self:
+            return
+        original = getattr(step, "_nanguard_original", step)
+
+        if keras.backend.backend() == "jax":
+
+            def train_step(state: Any, data: Any) -> Any:
+                logs, new_state = original(state, data)
+                trainable, non_trainable, optimizer_values, metrics = new_state
+                self._check_is_optimizer_of(model)
+                accepted = self._accepted(optimizer_values, model.optimizer.variables)
+                non_trainable = model_state.select(accepted, state[1], non_trainable)
+                return logs, (trainable, non_trainable, optimizer_values, metrics)
+
+        else:
+
+            def train_step(data: Any) -> Any:
+                model_state.build_for(model, data)
+                with self.transaction(model):
+                    return original(data)
+
+        train_step._nanguard_optimizer = self  # type: ignore[attr-defined]
+        train_step._nanguard_original = original  # type: ignore[attr-defined]
+        model.train_step = train_step
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)  # made before: remake it
+
+    @contextlib.contextmanager
+    def transaction(self, model: keras.Model) -> Iterator[None]:
+        """A custom training step as a whole-model transaction (TensorFlow,
+        torch; eager or inside `tf.function`).
+
+        Wrap the forward pass, the loss, the gradients and this optimizer's
+        `apply`: if the step is rejected, the state the forward pass wrote
+        (BatchNormalization statistics, non-trainable variables, seed state,
+        torch buffers) is put back as it was. If the block raises, that state
+        is put back too. In a JAX stateless loop use `stateless_commit`.
+
+        Args:
+            model: the built `keras.Model` being trained.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build(model.trainable_variables)
+        >>> grads = [keras.ops.full(v.shape, np.nan) for v in model.trainable_variables]
+        >>> with opt.transaction(model):
+        ...     _ = model(np.ones((4, 2), "float32"), training=True)
+        ...     opt.apply(grads, model.trainable_variables)
+        >>> model.layers[0].moving_mean.numpy().tolist()
+        [0.0, 0.0]
+        """
+        if not model.built:
+            raise ValueError(
+                "`transaction(model)` needs a built model (call it on a batch "
+                f"first), to know its state. Received: model={model.name!r}, "
+                "not built"
+            )
+        self._check_is_optimizer_of(model)
+        state = model_state.forward_state(model)
+        before = model_state.read(state)
+        steps = self._plans.steps
+        try:
+            yield
+        except BaseException:
+            model_state.keep_unless(False, state, before)
+            raise
+        if self._plans.steps == steps:
+            raise RuntimeError(
+                "No step of this SafeOptimizer ran inside `transaction(model)`: "
+                "call `apply`/`apply_gradients` inside the `with` block."
+            )
+        model_state.keep_unless(self.consecutive_skips.value == 0, state, before)
+
+    def stateless_commit(
+        self,
+        optimizer_variables: Sequence[Any],
+        before: Sequence[Any],
+        after: Sequence[Any],
+    ) -> list[Any]:
+        """JAX stateless loops: the non-trainable values to carry on with.
+
+        `after` (from `stateless_call`) if the step that returned
+        `optimizer_variables` (from `stateless_apply`) was accepted, else
+        `before`, tensor by tensor, on the device.
+
+        Args:
+            optimizer_variables: the values `stateless_apply` returned, in
+                `optimizer.variables` order.
+            before: the non-trainable values the step started from.
+            after: the non-trainable values the forward pass returned.
+
+        Returns:
+            A list of tensors, like `after`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> from keras import ops
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build([keras.Variable(1.0)])
+        >>> kept = opt.stateless_commit([v.value for v in opt.variables],
+        ...                              [ops.zeros(2)], [ops.ones(2)])
+        >>> ops.convert_to_numpy(kept[0]).tolist()   # accepted: `after`
+        [1.0, 1.0]
+        """
+        accepted = self._accepted(list(optimizer_variables), self.variables)
+        return model_state.select(accepted, list(before), list(after))
+
+    def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:
+        """Whether the step that produced `values` (of `variables`) was
+        accepted: `consecutive_skips` is 0 exactly then."""
+        if len(values) != len(variables):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per variable of "
+                f"`optimizer.variables` ({len(variables)}). "
+                f"Received: {len(values)} values"
+            )
+        index = [id(v) for v in variables].index(id(self.consecutive_skips))
+        return values[index] == 0
+
+    def _check_is_optimizer_of(self, model: keras.Model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and find_safe_optimizer(optimizer) is not self:
+            raise ValueError(
+                "The model is compiled with another optimizer; compile it with "
+                "this SafeOptimizer before tying them. "
+                f"Received: model.optimizer={optimizer!r}"
+            )
+
     # ------------------------------------------------------------ reporting
-    def counters(self) -> dict[str, float | int]:
+    def counters(
+        self, optimizer_variables: Sequence[Any] | None = None
+    ) -> dict[str, float | int]:
         """The counters as Python numbers (reads them from the device).
+
+        Args:
+            optimizer_variables: in a JAX stateless loop, the values
+                `stateless_apply` returned (in `optimizer.variables` order);
+                by default this optimizer's own variables.
 
         Example:
 
@@ -498,14 +777,32 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).counters()["skipped_steps"]
         0
         """
+        values = self._counter_values(optimizer_variables)
         out: dict[str, float | int] = {}
-        for counter, dtype, _ in _COUNTERS:
-            value = ops.convert_to_numpy(getattr(self, counter))
+        for (counter, dtype, _), value in zip(_COUNTERS, values, strict=True):
+            value = ops.convert_to_numpy(value)
             out[counter] = float(value) if dtype == "float32" else int(value)
         return out
 
-    def describe_last_rejection(self) -> str:
+    def _counter_values(self, optimizer_variables: Sequence[Any] | None) -> list:
+        if optimizer_variables is None:
+            return [getattr(self, counter) for counter, _, _ in _COUNTERS]
+        values = list(optimizer_variables)
+        if len(values) != len(self.variables):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per variable of "
+                f"`optimizer.variables` ({len(self.variables)}), as "
+                f"`stateless_apply` returns them. Received: {len(values)} values"
+            )
+        return values[: len(_COUNTERS)]  # the counters come first
+
+    def describe_last_rejection(
+        self, optimizer_variables: Sequence[Any] | None = None
+    ) -> str:
         """The last rejected step in words, or `""` if none was rejected.
+
+        Args:
+            optimizer_variables: as for `counters`.
 
         Example:
 
@@ -513,11 +810,12 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).describe_last_rejection()
         ''
         """
-        c = self.counters()
+        c = self.counters(optimizer_variables)
         reason = _REASONS.get(int(c["last_rejection"]), "none")
         if reason == "none":
             return ""
-        names = self._plans.names[reason == "update"]
+        names = [_path(v) for v in getattr(self, "_trainable_variables", [])]
+        names += [_path(v, optimizer=True) for v in self.inner_optimizer.variables]
         index = int(c["last_nonfinite_index"])
         where = names[index] if 0 <= index < len(names) else f"variable #{index}"
         norm = c["rejected_grad_norm"]
@@ -532,10 +830,13 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             "learning rate is probably too high for these gradients"
         )
 
-    def check_halted(self) -> None:
+    def check_halted(self, optimizer_variables: Sequence[Any] | None = None) -> None:
         """Raises `NonFiniteError` if `max_consecutive_skips` was reached.
 
         Call it where your loop reads values back anyway (e.g. when logging).
+
+        Args:
+            optimizer_variables: as for `counters`.
 
         Example:
 
@@ -545,16 +846,25 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         """
         if self.max_consecutive_skips is None:
             return
-        consecutive = int(ops.convert_to_numpy(self.consecutive_skips))
-        if consecutive >= self.max_consecutive_skips:
+        if self._halted(optimizer_variables):
             raise NonFiniteError(
-                f"SafeOptimizer rejected {consecutive} steps in a row "
-                f"(max_consecutive_skips={self.max_consecutive_skips}) and "
-                f"halted; last, {self.describe_last_rejection()}. Training "
-                "cannot make progress from this state: restore a good "
+                f"SafeOptimizer {self._halt_message(optimizer_variables)} "
+                "Training cannot make progress from this state: restore a good "
                 "checkpoint, lower the learning rate or check the data.",
-                report=self.counters(),
+                report=self.counters(optimizer_variables),
             )
+
+    def _halted(self, optimizer_variables: Sequence[Any] | None = None) -> bool:
+        consecutive = self.counters(optimizer_variables)["consecutive_skips"]
+        return consecutive >= self.max_consecutive_skips
+
+    def _halt_message(self, optimizer_variables: Sequence[Any] | None = None) -> str:
+        c = self.counters(optimizer_variables)
+        return (
+            f"rejected {c['consecutive_skips']} steps in a row "
+            f"(max_consecutive_skips={self.max_consecutive_skips}) and halted; "
+            f"last, {self.describe_last_rejection(optimizer_variables)}."
+        )
 
     def _history_variables(self) -> list[keras.Variable]:
         return [getattr(self, name) for name in _HISTORY]
@@ -588,9 +898,9 @@ class _Plans:
     (a plain dict attribute would be tracked, and its variables with it)."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple, tuple] = {}
-        self.names: tuple[list[str], list[str]] = ([], [])
+        self.cache: dict[tuple, _Plan] = {}
         self.buffers: dict[tuple, tuple[list, list]] = {}
+        self.steps = 0  # calls of `apply`, so `transaction` can tell one ran
 
     def rollback_buffers(self, state: list[keras.Variable]) -> list | None:
         """torch, eager: host-side buffers the rollback snapshot is copied
@@ -610,6 +920,34 @@ class _Plans:
                 [torch.empty_like(v.value) for v in state],
             )
         return self.buffers[key][1]
+
+
+def find_safe_optimizer(optimizer: Any) -> SafeOptimizer | None:
+    """The SafeOptimizer in a chain of wrappers (e.g. inside LossScaleOptimizer)."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, SafeOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+        seen += 1
+    return None
+
+
+def _check_clipping(inner: keras.optimizers.Optimizer, clipnorm: float | None) -> None:
+    if clipnorm is None:
+        return
+    inner_clip = {
+        k: getattr(inner, k)
+        for k in ("clipnorm", "global_clipnorm", "clipvalue")
+        if getattr(inner, k, None) is not None
+    }
+    if inner_clip:
+        raise ValueError(
+            "Set gradient clipping on the SafeOptimizer or on the inner "
+            "optimizer, not both: clipping before the finiteness check "
+            "turns every gradient into NaN when the norm is not finite. "
+            f"Received: clipnorm={clipnorm} and inner optimizer {inner_clip}"
+        )
 
 
 def _resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:

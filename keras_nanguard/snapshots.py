@@ -20,20 +20,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_nanguard.safe_optimizer import SafeOptimizer
+from keras_nanguard.safe_optimizer import find_safe_optimizer
 
 SNAPSHOT_FILE = "nanguard_snapshot.npz"
-
-
-def find_safe_optimizer(optimizer: Any) -> SafeOptimizer | None:
-    """The SafeOptimizer in a chain of wrappers (e.g. inside LossScaleOptimizer)."""
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if isinstance(optimizer, SafeOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-        seen += 1
-    return None
 
 
 def sync_from_device(model: keras.Model) -> None:
@@ -50,9 +39,20 @@ def _tracked(model: keras.Model) -> list[keras.Variable]:
 
 
 def _unchecked(model: keras.Model) -> set[int]:
+    return _reports(getattr(model, "optimizer", None))
+
+
+def _reports(optimizer: Any) -> set[int]:
     # SafeOptimizer's report values (a NaN gradient norm, ...) are not state.
-    safe = find_safe_optimizer(getattr(model, "optimizer", None))
+    safe = find_safe_optimizer(optimizer)
     return set() if safe is None else {id(v) for v in safe._history_variables()}
+
+
+def optimizer_state(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
+    """The optimizer's variables that are state, without SafeOptimizer's
+    report values (`last_grad_norm` is NaN after a NaN step, by design)."""
+    skip = _reports(optimizer)
+    return [v for v in optimizer.variables if id(v) not in skip]
 
 
 def variable_name(v: keras.Variable) -> str:

@@ -353,3 +353,18 @@ def test_needs_a_loss():
         ng.diagnose(_mlp(), x, y)
     with pytest.raises(TypeError, match="Received: loss=3"):
         ng.diagnose(_mlp(), x, y, loss=3)
+
+
+def test_a_rejected_step_does_not_make_a_healthy_model_look_broken():
+    # After a rejected step, SafeOptimizer's `last_grad_norm` and
+    # `rejected_grad_norm` are NaN by design: reports, not state.
+    x, y = _xy()
+    model = _mlp()
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(ng.faults.poison(x, rows=[0]), y, batch_size=16, verbose=0)
+    assert int(opt.skipped_steps) == 1
+    assert np.isnan(float(opt.rejected_grad_norm))
+    report = ng.diagnose(model, x, y, optimizer=opt)
+    assert report.healthy, str(report)
+    assert report.causes == []

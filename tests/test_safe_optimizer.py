@@ -272,7 +272,7 @@ def test_string_optimizer_is_resolved():
         ({"lr_recovery_steps": 0}, ValueError, r"lr_recovery_steps=0"),
         ({"min_lr_scale": 2.0}, ValueError, r"min_lr_scale=2.0"),
         ({"max_consecutive_skips": 0}, ValueError, r"max_consecutive_skips=0"),
-        ({"max_consecutive_skips": 2.5}, ValueError, r"max_consecutive_skips=2.5"),
+        ({"max_consecutive_skips": 2.5}, TypeError, r"max_consecutive_skips=2.5"),
         (
             {"global_clipnorm": 1.0},
             TypeError,
