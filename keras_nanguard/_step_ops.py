@@ -90,23 +90,18 @@ def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
 
 
 def restore_unless(ok: Any, state: list, backup: list) -> None:
-    if keras.backend.backend() == "jax":
-        # Stateless (jit): select, which XLA fuses into the update itself.
-        for v, old in zip(state, backup, strict=True):
-            v.assign(ops.where(ok, v.value, old))
+    """Writes `backup` back into `state` unless `ok`: a select on the device,
+    with no branch and no host read (a branch on XLA:GPU or TensorFlow's GPU
+    graphs copies the predicate to the host and waits for it)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            for v, old in zip(state, backup, strict=True):
+                torch.where(ok, v.value, old, out=v.value)
         return
-
-    def restore():
-        if keras.backend.backend() == "torch":
-            import torch
-
-            with torch.no_grad():
-                torch._foreach_copy_([v.value for v in state], backup)
-            return
-        for v, old in zip(state, backup, strict=True):
-            v.assign(old)
-
-    ops.cond(ok, lambda: None, restore)
+    for v, old in zip(state, backup, strict=True):
+        v.assign(ops.where(ok, v.value, old))
 
 
 def executing_eagerly(probe: keras.Variable) -> bool:

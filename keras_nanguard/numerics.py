@@ -40,31 +40,52 @@ def _present(tensors: Sequence[Tensor | None]) -> list[Tensor]:
     return [_dense_values(t) for t in tensors if t is not None]
 
 
-def _sums_of_squares(values: list[Tensor]) -> Tensor:
-    """float32 sum of squares of each tensor, as a vector: one fused pass each."""
+# Powers of two: scaling by them is exact and cannot be simplified away.
+_TINY = 2.0**-64
+_HUGE = 2.0**64
+
+
+def _sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per tensor, the float32 sums of squares of `v` and of `v * 2**-64`.
+
+    The second sum never overflows while the first does (a norm above
+    ~1.8e19), so together they give the norm of any tensor whose norm is
+    within float32's range, with no branch, reading each tensor once.
+    """
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
         # L2Loss is one fused kernel; square-then-sum allocates a temporary.
-        return tf.stack([2.0 * tf.nn.l2_loss(tf.cast(v, "float32")) for v in values])
+        f32 = [tf.cast(v, "float32") for v in values]
+        return (
+            tf.stack([2.0 * tf.nn.l2_loss(v) for v in f32]),
+            tf.stack([2.0 * tf.nn.l2_loss(v * _TINY) for v in f32]),
+        )
     if backend == "torch":
         import torch
 
-        # One fused multi-tensor kernel for all of them.
-        norms = torch._foreach_norm([_raw(v).float() for v in values])
-        return torch.stack(norms) ** 2
-    return ops.stack([ops.sum(ops.square(ops.cast(v, "float32"))) for v in values])
+        # One multi-tensor kernel; a float64 accumulator cannot overflow, so
+        # one sum serves both (the second is the first, rescaled).
+        norms = torch._foreach_norm([_raw(v) for v in values], 2, torch.float64)
+        sq = torch.stack(norms) ** 2
+        return sq.float(), (sq * _TINY**2).float()
+    import jax
 
+    def both(v: Tensor) -> tuple[Tensor, Tensor]:
+        # One variadic reduction: XLA reads `v` once for both sums (two
+        # reductions are two passes on some XLA backends).
+        v = v.astype("float32")
+        small = v * _TINY
+        return jax.lax.reduce(
+            (v * v, small * small),
+            (jax.numpy.float32(0), jax.numpy.float32(0)),
+            lambda a, b: (a[0] + b[0], a[1] + b[1]),
+            tuple(range(v.ndim)),
+        )
 
-def _sums(values: list[Tensor]) -> Tensor:
-    """The float32 sum of each tensor, as a vector: finite exactly when all
-    entries are finite, unless the sum itself overflows."""
-    if keras.backend.backend() == "torch":
-        import torch
-
-        return torch.stack([_raw(v).float().sum() for v in values])
-    return ops.stack([ops.sum(ops.cast(v, "float32")) for v in values])
+    sums = [both(_raw(v)) for v in values]
+    return ops.stack([a for a, _ in sums]), ops.stack([b for _, b in sums])
 
 
 def _raw(x: Tensor) -> Tensor:
@@ -74,49 +95,27 @@ def _raw(x: Tensor) -> Tensor:
     return x if ops.is_tensor(x) else ops.convert_to_tensor(x)
 
 
-def norm_parts(tensors: Sequence[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
-    """Global L2 norm of `tensors` as `scale * rel`, plus per-tensor finiteness.
+def norm_and_finite(tensors: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
+    """Global L2 norm of `tensors` and per-tensor finiteness, in one pass.
 
-    The healthy path is one fused pass per tensor: the float32 sum of squares.
-    Only when a sum of squares is `+inf` (an infinite entry, or finite entries
-    above ~1.8e19 whose squares overflow float32) does a second branch run,
-    which rescales by the largest magnitude so that large but finite tensors
-    still get a finite `rel` and are not mistaken for infinite ones.
+    No branch and no host read: the float32 sum of squares, and beside it
+    (same pass) the sum of squares of the values scaled by 2**-64, which
+    takes over when the first overflows. A tensor counts as finite when all
+    its entries are and its own norm is within float32's range (~3.4e38).
 
     Returns:
-        `(scale, rel, finite)`: float32 scalars `scale` and `rel` with
-        `norm = scale * rel` (`scale` is 1 on the healthy path), and a bool
-        vector with one entry per non-`None` tensor, `True` where every entry
-        of that tensor is finite.
+        `(norm, finite)`: a float32 scalar (NaN or inf when an entry is), and
+        a bool vector with one entry per non-`None` tensor.
     """
     values = _present(tensors)
     if not values:
-        one = ops.convert_to_tensor(1.0, "float32")
-        return one, ops.convert_to_tensor(0.0, "float32"), ops.ones((0,), "bool")
-    sq = _sums_of_squares(values)
-
-    def healthy():
-        return (
-            ops.convert_to_tensor(1.0, "float32"),
-            ops.sqrt(ops.sum(sq)),
-            ops.isfinite(sq),
-        )
-
-    def rescaled():
-        finite = ops.stack([ops.all(ops.isfinite(v)) for v in values])
-        maxabs = ops.stack(
-            [
-                ops.max(ops.where(ops.isfinite(v), ops.abs(v), 0))
-                for v in (ops.cast(v, "float32") for v in values)
-            ]
-        )
-        scale = ops.maximum(ops.max(maxabs), 1e-30)
-        rel_sq = ops.stack(
-            [ops.sum(ops.square(ops.cast(v, "float32") / scale)) for v in values]
-        )
-        return scale, ops.sqrt(ops.sum(rel_sq)), finite
-
-    return ops.cond(ops.any(ops.isinf(sq)), rescaled, healthy)
+        return ops.convert_to_tensor(0.0, "float32"), ops.ones((0,), "bool")
+    sq, sq_tiny = _sums_of_squares(values)
+    total = ops.sum(sq)
+    norm = ops.where(
+        ops.isfinite(total), ops.sqrt(total), _HUGE * ops.sqrt(ops.sum(sq_tiny))
+    )
+    return norm, ops.isfinite(sq_tiny)
 
 
 def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
@@ -145,27 +144,33 @@ def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
     >>> f"{float(ng.ops.global_norm([ops.array([3e30, 4e30])])):.3g}"  # no overflow
     '5e+30'
     """
-    scale, rel, _ = norm_parts(tensors)
-    return scale * rel
+    norm, _ = norm_and_finite(tensors)
+    return norm
 
 
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     """One bool per tensor: `True` where every entry of it is finite.
 
-    The healthy path is one read per tensor with no temporary: a float32 sum
-    is finite exactly when no entry is NaN or inf, unless the sum overflows.
-    Only when some sum is not finite does a second branch check entry by entry,
-    so an overflowing sum of finite values is not mistaken for a NaN.
+    One read per tensor, no branch, no host read, exact: the largest
+    magnitude is finite exactly when every entry is (NaN propagates through
+    the maximum; a sum could overflow on finite values).
     """
     values = _present(tensors)
     if not values:
         return ops.ones((0,), "bool")
-    sums = ops.isfinite(_sums(values))
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
 
-    def exact():
-        return ops.stack([ops.all(ops.isfinite(v)) for v in values])
+        # One multi-tensor kernel for all of them.
+        maxabs = torch._foreach_norm([_raw(v) for v in values], float("inf"))
+        return torch.isfinite(torch.stack(maxabs))
+    if backend == "tensorflow":
+        import tensorflow as tf
 
-    return ops.cond(ops.all(sums), lambda: sums, exact)
+        # TF's max reductions may drop NaN; is_finite does not.
+        return tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+    return ops.isfinite(ops.stack([ops.max(ops.abs(v)) for v in values]))
 
 
 def all_finite(tensors: Sequence[Tensor | None] | Tensor) -> Tensor:

@@ -477,14 +477,14 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         """
         inner = self.inner_optimizer
         plan = self._plan(grads, variables)
-        scale, rel, grad_finite = numerics.norm_parts([grads[i] for i in plan.checked])
+        norm, grad_finite = numerics.norm_and_finite([grads[i] for i in plan.checked])
         grads_ok = ops.all(grad_finite)
         # With gradient accumulation the applied gradient is the accumulated
         # one, which the inner optimizer clips itself (see `_inner_settings`).
         accumulating = bool(inner.gradient_accumulation_steps)
         clipped, factor = None, None
         if self.clipnorm is not None and not accumulating:
-            factor = ops.minimum(1.0, (self.clipnorm / scale) / rel)
+            factor = ops.minimum(1.0, self.clipnorm / norm)
             clipped = factor < 1.0
         to_clip = set(plan.checked)
 
@@ -530,7 +530,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             grads_ok=grads_ok,
             update_ok=update_ok,
             clipped=clipped,
-            norm=scale * rel,
+            norm=norm,
             bad_index=bad_index,
         )
 
