@@ -102,15 +102,20 @@ def jax_reference_bytes(model) -> float:
     def step(ws, vs, gs):
         norm = jnp.sqrt(sum(jnp.sum(g * g) for g in gs))
         factor = jnp.minimum(1.0, 1.0 / norm)
-        new_v = [0.9 * v + 0.1 * jnp.square(g * factor) for v, g in zip(vs, gs)]
+        new_v = [
+            0.9 * v + 0.1 * jnp.square(g * factor) for v, g in zip(vs, gs, strict=True)
+        ]
         new_w = [
             w - 1e-3 * g * factor / (jnp.sqrt(v) + 1e-7)
-            for w, g, v in zip(ws, gs, new_v)
+            for w, g, v in zip(ws, gs, new_v, strict=True)
         ]
         ok = jnp.isfinite(norm) & jnp.all(
             jnp.stack([jnp.isfinite(jnp.sum(x)) for x in new_w + new_v])
         )
-        keep = lambda new, old: [jnp.where(ok, n, o) for n, o in zip(new, old)]  # noqa: E731
+
+        def keep(new, old):
+            return [jnp.where(ok, n, o) for n, o in zip(new, old, strict=True)]
+
         return keep(new_w, ws), keep(new_v, vs)
 
     analysis = jax.jit(step).lower(tv, vs, grads).compile().cost_analysis()
