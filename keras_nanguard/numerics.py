@@ -317,20 +317,14 @@ def _softmax_parts(x: Tensor, axis: int | tuple[int, ...], log: bool) -> Tensor:
     finite maximum (all -inf, i.e. fully masked) gives 0 (log: -inf); -inf
     entries give 0 (log: -inf). NaN logits make their row NaN. Under XLA
     (JAX) this careful form fuses into one softmax-like kernel and always
-    runs; on TensorFlow and torch the backend's fused kernel runs whenever
-    every row's maximum is finite (torch decides in Python, as it runs
-    eagerly), and the careful form otherwise.
+    runs; on TensorFlow the backend's fused kernel runs whenever every row's
+    maximum is finite, and the careful form otherwise; torch has its own
+    form around its fused kernel, with no branch on a device value.
     """
     backend = keras.backend.backend()
     if backend == "torch" and isinstance(axis, int):
-        import torch
-
-        # Direct calls: at these sizes keras.ops dispatch would dominate.
-        m = torch.amax(x, dim=axis, keepdim=True)
-        if bool(torch.isfinite(m).all()):
-            return torch.log_softmax(x, axis) if log else torch.softmax(x, axis)
-    else:
-        m = ops.max(x, axis=axis, keepdims=True)
+        return _torch_softmax_parts(x, axis, log)
+    m = ops.max(x, axis=axis, keepdims=True)
 
     def careful():
         pos_inf = ops.isinf(m) & (m > 0)
@@ -351,6 +345,24 @@ def _softmax_parts(x: Tensor, axis: int | tuple[int, ...], log: bool) -> Tensor:
         return careful()
     fused = ops.log_softmax if log else ops.softmax
     return ops.cond(ops.all(ops.isfinite(m)), lambda: fused(x, axis=axis), careful)
+
+
+def _torch_softmax_parts(x: Tensor, axis: int, log: bool) -> Tensor:
+    """torch: the fused (log-)softmax on logits made safe by selects, with no
+    host read. Rows with +inf logits share among them; fully masked rows
+    (all -inf) run on zeros, so their gradient is 0, and give 0 (log: -inf)."""
+    import torch
+
+    m = torch.amax(x, dim=axis, keepdim=True)
+    pos_inf = torch.isposinf(m)
+    masked = torch.isneginf(m)
+    z = torch.where(
+        pos_inf,
+        torch.where(torch.isposinf(x), 0.0, -torch.inf),
+        torch.where(masked, 0.0, x),
+    )
+    out = torch.log_softmax(z, axis) if log else torch.softmax(z, axis)
+    return torch.where(masked, -torch.inf if log else 0.0, out)
 
 
 def stable_log_softmax(
