@@ -2,50 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import tempfile
 import time
 import warnings
 from typing import Any
 
 import keras
-import numpy as np
 
 from keras_nanguard import snapshots
+from keras_nanguard._cadence import Cadence
 from keras_nanguard._figures import EpochFigures, nonfinite
 from keras_nanguard._validation import check_writable, is_int, is_number
-from keras_nanguard.diagnosis import Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.incidents import Incident
+from keras_nanguard.incidents import Incident, diagnose_batch, write_json
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 _LOG = logging.getLogger("keras_nanguard")
-
-
-class _Cadence:
-    """When a periodic host-side job is due: every `every` steps, or, with
-    "auto", as often as keeps its measured cost within `budget` of the
-    measured step time, and at least `min_every` steps apart."""
-
-    def __init__(self, every: int | str, budget: float, min_every: int) -> None:
-        self.every, self.budget, self.min_every = every, budget, min_every
-        self.cost: float | None = None
-        self.since = 0
-
-    def due(self, step_seconds: float | None) -> bool:
-        self.since += 1
-        if self.every != "auto":
-            return self.since >= self.every
-        if self.cost is None or not step_seconds:
-            return self.since >= self.min_every
-        interval = math.ceil(self.cost / (self.budget * step_seconds))
-        return self.since >= max(self.min_every, interval)
-
-    def done(self, cost: float) -> None:
-        self.cost, self.since = cost, 0
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -245,8 +218,8 @@ class NaNGuard(keras.callbacks.Callback):
         self._rollbacks_since_snapshot = 0
         self._skip_left = 0
         self._safe = snapshots.find_safe_optimizer(self.model.optimizer)
-        self._snapshots = _Cadence(self.snapshot_every, self.snapshot_budget, 10)
-        self._checks = _Cadence(self.check_every, 0.01, 1)
+        self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
+        self._checks = Cadence(self.check_every, 0.01, 1)
         self._last_time: float | None = None
         self._step_seconds: float | None = None
         optimizer = self.model.optimizer
@@ -413,17 +386,7 @@ class NaNGuard(keras.callbacks.Callback):
         self.incidents.append(inc)
         self._open = inc if batch >= 0 else None
         if inc.batch_data is not None:
-            inc.diagnosis = _diagnose(self.model, inc.batch_data)
-            if isinstance(inc.diagnosis, Diagnosis) and not inc.diagnosis.healthy:
-                inc.detail += (
-                    f" Diagnosis: {inc.diagnosis.stage} stage"
-                    + (
-                        f", layer '{inc.diagnosis.layer}'"
-                        if inc.diagnosis.layer
-                        else ""
-                    )
-                    + f", {', '.join(inc.diagnosis.causes)}."
-                )
+            diagnose_batch(inc, self.model)
         if self.verbose:
             _LOG.warning("NaNGuard: %s", inc)
         self._write_report()
@@ -503,13 +466,8 @@ class NaNGuard(keras.callbacks.Callback):
         return "\n".join(lines)
 
     def _write_report(self) -> None:
-        if self.report_path is None:
-            return
-        directory = os.path.dirname(os.path.abspath(self.report_path))
-        fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.report(), f, indent=2, default=_json_default)
-        os.replace(tmp, self.report_path)
+        if self.report_path is not None:
+            write_json(self.report_path, self.report())
 
     # ------------------------------------------------------------ snapshots
     def _reusable(self) -> snapshots.Snapshot | None:
@@ -639,19 +597,6 @@ class NaNGuard(keras.callbacks.Callback):
 
 
 # ------------------------------------------------------------------ helpers
-def _diagnose(model: keras.Model, batch: Any) -> Diagnosis | str:
-    try:
-        return diagnose(model, *batch, optimizer=model.optimizer)
-    except Exception as err:  # a report must never break training
-        return f"diagnose() failed: {type(err).__name__}: {err}"
-
-
 def _describe_logs(logs: dict, bad: list[str]) -> str:
     shown = ", ".join(f"{k}={logs[k]}" for k in bad)
     return f"non-finite {shown} in this batch."
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)
