@@ -12,7 +12,7 @@ import keras
 
 from keras_nanguard import snapshots
 from keras_nanguard._cadence import Cadence
-from keras_nanguard._figures import EpochFigures, nonfinite
+from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
 from keras_nanguard._validation import check_writable, is_int, is_number
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.incidents import Incident, diagnose_batch, write_json
@@ -58,15 +58,23 @@ class NaNGuard(keras.callbacks.Callback):
       with the incident report.
     - `"warn"`: only warn.
 
-    Reported figures: a batch whose loss or metrics are non-finite, and a
-    discarded batch, are left out of the epoch's loss and metrics (Keras's
-    metric states are reset and NaNGuard combines the parts, each batch
-    weighted equally), so the progress bar, `History`, `CSVLogger` and
-    callbacks after NaNGuard see finite figures. NaNGuard edits `logs` in
-    place: list it *before* `ModelCheckpoint`, `BackupAndRestore`,
-    `EarlyStopping`, `CSVLogger` and `TensorBoard`. It adds `nanguard_incidents`,
-    `nanguard_rollbacks` and (with a SafeOptimizer) `nanguard_rejected_steps`
-    to the logs.
+    Reported figures: a batch whose loss is non-finite, and a discarded
+    batch, are left out of the epoch's loss and metrics; a non-finite metric
+    with a finite loss (incident kind `"nonfinite_metric"`) is left out of
+    that metric only. (Keras's metric states are reset and NaNGuard combines
+    the parts, each batch weighted equally.) So the progress bar, `History`,
+    `CSVLogger` and callbacks after NaNGuard never see NaN because of a bad
+    batch. A figure with no healthy batch in the epoch is left out of that
+    epoch's logs, as Keras leaves out `val_loss` in an epoch it does not
+    validate: the progress bar does not show it, `History` has no entry for
+    that epoch (its list is shorter than `History.epoch`), `CSVLogger`
+    writes `NA` (if the first epoch of a `fit` is such an epoch, the file has
+    no column for that figure), and `EarlyStopping`, `ReduceLROnPlateau` and
+    `ModelCheckpoint` warn that the figure is not available and skip the
+    epoch. NaNGuard edits `logs` in place: list it *before*
+    `ModelCheckpoint`, `BackupAndRestore`, `EarlyStopping`, `CSVLogger` and
+    `TensorBoard`. It adds `nanguard_incidents`, `nanguard_rollbacks` and
+    (with a SafeOptimizer) `nanguard_rejected_steps` to the logs.
 
     With `steps_per_execution=k`, Keras calls back once per k steps, so
     detection, rollback and the exclusion of figures work on whole groups of k
@@ -259,17 +267,13 @@ class NaNGuard(keras.callbacks.Callback):
         new_rejections, since = self._check_counters(force=bool(bad_logs))
         if bad_logs:  # this batch's figures are bad: it is left out of them
             snapshots.sync_from_device(self.model)
+            bad_loss = any(is_loss(k) for k in bad_logs)
             if new_rejections:
                 self._on_rejection(batch, logs, bad_logs, new_rejections, since)
             else:
-                variables = snapshots.nonfinite_names(self.model)
-                detail = _describe_logs(logs, bad_logs)
-                if variables:
-                    detail += " The update was applied: the state is non-finite."
-                self._record(batch, "nonfinite_loss", detail, logs, variables)
-                if variables:
-                    self._trouble()
-            self._leave_out(logs)
+                self._on_bad_figures(batch, logs, bad_logs, bad_loss)
+            # A non-finite metric with a finite loss: only the metric is left out.
+            self._leave_out(logs, None if bad_loss else bad_logs)
         elif new_rejections:  # rejected with finite figures, e.g. an overflow
             self._keep_in(logs)
             self._on_rejection(batch, logs, [], new_rejections, since)
@@ -280,6 +284,18 @@ class NaNGuard(keras.callbacks.Callback):
                 self._keep(self._pending)
             self._maybe_snapshot(batch)
         self._publish(logs)
+
+    def _on_bad_figures(
+        self, batch: int, logs: dict, bad_logs: list[str], bad_loss: bool
+    ) -> None:
+        variables = snapshots.nonfinite_names(self.model)
+        detail = _describe_logs(logs, bad_logs)
+        if variables:
+            detail += " The update was applied: the state is non-finite."
+        kind = "nonfinite_loss" if bad_loss else "nonfinite_metric"
+        self._record(batch, kind, detail, logs, variables)
+        if variables:
+            self._trouble()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
@@ -365,7 +381,7 @@ class NaNGuard(keras.callbacks.Callback):
             inc = self._open  # the same episode goes on
             inc.steps += 1
             inc.variables = sorted(set(inc.variables) | set(variables))
-            if kind != "rejected_step":
+            if kind not in ("rejected_step", "nonfinite_metric"):
                 inc.kind, inc.detail = kind, detail
             return
         inc = Incident(
@@ -519,10 +535,10 @@ class NaNGuard(keras.callbacks.Callback):
     def _keep_in(self, logs: dict) -> None:
         self._figures.keep(logs)
 
-    def _leave_out(self, logs: dict) -> None:
-        """Leaves this batch out of the epoch's figures; Keras's metric states,
-        which include it, start afresh."""
-        self._figures.leave_out(logs)
+    def _leave_out(self, logs: dict, keys: list[str] | None = None) -> None:
+        """Leaves this batch out of the epoch's figures (those in `keys`, or
+        all); Keras's metric states, which include it, start afresh."""
+        self._figures.leave_out(logs, keys)
         snapshots.sync_from_device(self.model)
         self.model.reset_metrics()
 

@@ -1,0 +1,183 @@
+"""NaNGuard on the paths users take (issue 11): models built by `fit`,
+`steps_per_execution`, the snapshot on disk after `fit`, figures that never
+show NaN because NaNGuard left batches out."""
+
+import csv
+import re
+
+import keras
+import numpy as np
+from keras import ops
+
+import keras_nanguard as ng
+from tests.helpers import assert_bit_identical, numpy
+
+LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
+
+
+def _data(n=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 6)).astype("float32")
+    y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
+    return x, y
+
+
+def _layers():
+    return [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+
+
+class SubclassedNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = _layers()
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _model(optimizer, kind="input", seed=1, compile=True, **compile_kwargs):
+    """`kind`: "input" (built at once), "sequential" (a Sequential without
+    Input) or "subclassed" (both built by `fit`)."""
+    keras.utils.set_random_seed(seed)
+    if kind == "input":
+        model = keras.Sequential([keras.Input((6,)), *_layers()])
+    elif kind == "sequential":
+        model = keras.Sequential(_layers())
+    else:
+        model = SubclassedNet()
+    if compile:
+        model.compile(optimizer=optimizer, loss=LOSS, **compile_kwargs)
+    return model
+
+
+def _fit(model, data, callbacks, epochs=1, **kwargs):
+    return model.fit(
+        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
+    )
+
+
+def _lr(model):
+    return np.float32(ops.convert_to_numpy(model.optimizer.learning_rate))
+
+
+class _Drop(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size, drop):
+        super().__init__()
+        self.x, self.y, self.bs = x, y, batch_size
+        self.keep = [i for i in range(len(x) // batch_size) if i not in drop]
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        s = slice(self.keep[i] * self.bs, (self.keep[i] + 1) * self.bs)
+        return self.x[s], self.y[s]
+
+
+class _Weights(keras.callbacks.Callback):
+    """Listed after NaNGuard: the weights at train begin (when they exist) and
+    after every batch."""
+
+    def on_train_begin(self, logs=None):
+        self.at_begin = numpy(self.model.weights) if self.model.weights else None
+        self.after = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after.append(numpy(self.model.weights))
+
+
+# ------------------------------------------------------ finding 11: figures
+class _PoisonEpoch(keras.callbacks.Callback):
+    def __init__(self, data, epoch, batches):
+        super().__init__()
+        self.data, self.epoch, self.batches = data, epoch, batches
+
+    def on_epoch_begin(self, epoch, logs=None):
+        bad = self.batches if epoch == self.epoch else []
+        self.data.bad_batches = {b: float("nan") for b in bad}
+
+
+def test_epoch_with_no_healthy_batch_reports_no_train_figure(tmp_path, capsys):
+    x, y = _data(64)  # 4 batches
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, target="y")
+    path = tmp_path / "log.csv"
+    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
+    guard = ng.NaNGuard(verbose=0, max_rejections=100)
+    history = model.fit(
+        data,
+        epochs=3,
+        verbose=1,
+        shuffle=False,
+        callbacks=[
+            _PoisonEpoch(data, 1, range(4)),
+            guard,
+            keras.callbacks.CSVLogger(str(path)),
+        ],
+    )
+    assert history.epoch == [0, 1, 2]
+    assert [i.kind for i in guard.incidents] == ["rejected_step"]
+    assert guard.incidents[0].steps == 4
+    # No figure for epoch 1, as Keras has no val_loss on an epoch it did not
+    # validate: the key is left out, History's list skips it.
+    assert len(history.history["loss"]) == 2
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["nanguard_rejected_steps"] == [0, 4, 4]
+    rows = list(csv.DictReader(path.open()))
+    assert [r["loss"] for r in rows][1] == "NA"
+    assert all(np.isfinite(float(rows[i]["loss"])) for i in (0, 2))
+    assert not re.search(r"\bnan\b", capsys.readouterr().out, re.IGNORECASE)
+
+
+def _spiky_mae(y_true, y_pred):
+    """Mean absolute error, but inf on a batch holding a target of 10."""
+    mae = ops.mean(ops.abs(y_true - y_pred))
+    return ops.where(ops.max(y_true) > 5.0, float("inf"), mae)
+
+
+class _BatchFigures(keras.callbacks.Callback):
+    """Each batch's own figures, from Keras's running means."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.means, self.batches = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.means.append({k: float(v) for k, v in logs.items()})
+
+    def values(self, key):
+        m = [d[key] for d in self.means]
+        return [m[0]] + [(i + 1) * m[i] - i * m[i - 1] for i in range(1, len(m))]
+
+
+def test_nonfinite_metric_has_its_own_kind_and_keeps_the_finite_loss():
+    x, y = _data()
+    y = y.copy()
+    y[50] = 10.0  # batch 3: the metric is inf there, the loss is finite
+
+    def run(callbacks, metric):
+        model = _model(None, compile=False)
+        model.compile(keras.optimizers.SGD(0.05), loss=LOSS, metrics=[metric])
+        return model, _fit(model, x, callbacks, y=y, batch_size=16, epochs=2)
+
+    def mae(y_true, y_pred):
+        return ops.mean(ops.abs(y_true - y_pred))
+
+    mae.__name__ = "_spiky_mae"  # the same log key as the guarded run
+    figures = _BatchFigures()
+    ref_model, reference = run([figures], mae)
+    guard = ng.NaNGuard(verbose=0)
+    model, history = run([guard], _spiky_mae)
+
+    assert [(i.kind, i.epoch, i.step, i.batch) for i in guard.incidents] == [
+        ("nonfinite_metric", 0, 3, 3),
+        ("nonfinite_metric", 1, 11, 3),
+    ]
+    assert "_spiky_mae=inf" in guard.incidents[0].detail
+    assert guard.rollbacks == 0
+    assert_bit_identical(numpy(ref_model.weights), numpy(model.weights), "weights")
+    # The finite loss keeps batch 3; only the metric leaves it out.
+    np.testing.assert_allclose(
+        history.history["loss"], reference.history["loss"], rtol=1e-6
+    )
+    per_batch = figures.values("_spiky_mae")  # epoch 1's, batch by batch
+    expected = np.mean([v for i, v in enumerate(per_batch) if i != 3])
+    np.testing.assert_allclose(history.history["_spiky_mae"][1], expected, rtol=1e-5)
