@@ -40,7 +40,8 @@ class NaNGuard(keras.callbacks.Callback):
     It keeps a last-known-good snapshot of every model weight and optimizer
     variable, on the host, taken only when all are finite: at the start of
     training, then every `snapshot_every` steps (by default as often as fits
-    in 1% of the training time), and optionally written to `directory`.
+    in 1% of the training time), and at the end of training; optionally
+    written to `directory`.
 
     What it does on *trouble*: non-finite weights or optimizer state, a
     non-finite loss with a plain optimizer (the bad update has been applied),
@@ -103,9 +104,12 @@ class NaNGuard(keras.callbacks.Callback):
             between before stopping. Defaults to 3.
         max_rejections: int >= 1: steps in a row rejected by a SafeOptimizer
             that count as trouble. Defaults to 3.
-        directory: optional path; each snapshot is also written there,
-            atomically, as `nanguard_snapshot.npz` (read it back with
-            `keras_nanguard.snapshots.load`). Defaults to `None`.
+        directory: optional path; each snapshot that becomes the rollback
+            point is also written there, atomically, as
+            `nanguard_snapshot.npz`, with the learning rate to go on with
+            (NaNGuard's lowered one). When `fit` returns it holds the final
+            state if that is finite. Load it with `NaNGuard.restore`.
+            Defaults to `None`.
         report_path: optional path of a JSON file with every incident,
             rewritten atomically after each incident and at the end of
             training. Defaults to `None`.
@@ -245,6 +249,7 @@ class NaNGuard(keras.callbacks.Callback):
                 "Re-initialise or load good weights first."
             )
         self._keep(snap)
+        self._at_snapshot = True  # the state is the rollback point's
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
@@ -255,10 +260,12 @@ class NaNGuard(keras.callbacks.Callback):
         self._batch_step = self._step  # 0-based global step of this batch
         self._step += 1
         self._time_step()
+        self._at_snapshot = False
         if self._skip_left > 0:  # discard this batch: undo its update
             self._skip_left -= 1
             snapshots.sync_from_device(self.model)
             snapshots.restore(self.model, self.snapshot)
+            self._at_snapshot = True
             self._leave_out(logs)
             self._publish(logs)
             return
@@ -317,7 +324,24 @@ class NaNGuard(keras.callbacks.Callback):
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if not self._at_snapshot:
+            self._keep_final_state()
+        elif self.snapshot is not None:  # the state is the rollback point's
+            self._save(self.snapshot)  # with the learning rate as it is now
         self._write_report()
+
+    def _keep_final_state(self) -> None:
+        """Makes the state `fit` returns the rollback point (and writes it to
+        `directory`) if it is finite: nothing comes after it to prove it."""
+        if self._pending is not None and self._pending.step == self._step:
+            self._keep(self._pending)  # taken at the end of the last epoch
+            return
+        snapshots.sync_from_device(self.model)
+        snap, _ = snapshots.take(
+            self.model, epoch=self._epoch + 1, step=self._step, into=self._reusable()
+        )
+        if snap is not None:
+            self._keep(snap)
 
     # -------------------------------------------------------------- signals
     def _check_counters(self, force: bool) -> tuple[int, int]:
@@ -417,6 +441,7 @@ class NaNGuard(keras.callbacks.Callback):
         if self._pending is not None:  # taken after the last healthy batch
             self._spare, self._pending = self._pending, None
         snapshots.restore(self.model, self.snapshot)
+        self._at_snapshot = True
         where = f"restored the snapshot of epoch {self.snapshot.epoch}, step {self.snapshot.step}"
         if self.policy == "raise":
             inc.action = where + ", raised NonFiniteError"
@@ -430,6 +455,7 @@ class NaNGuard(keras.callbacks.Callback):
             if lr is not None:
                 inc.learning_rate = lr
                 inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
+                self._save(self.snapshot)  # the rate to go on with
             if self.skip_batches:
                 self._skip_left = self.skip_batches
                 inc.action += f", discarding the next {self.skip_batches} batches"
@@ -499,11 +525,19 @@ class NaNGuard(keras.callbacks.Callback):
         self.snapshot, self._pending = snap, None
         self.snapshots_taken += 1
         self._rollbacks_since_snapshot = 0
-        if self.directory is not None:
-            start = time.perf_counter()
-            snapshots.save(snap, self.directory)
-            snap.seconds += time.perf_counter() - start
+        snap.seconds += self._save(snap)
         self._snapshots.done(snap.seconds)
+
+    def _save(self, snap: snapshots.Snapshot) -> float:
+        """Writes the rollback point to `directory`, with the learning rate
+        training goes on with; returns the seconds it took."""
+        if self.directory is None:
+            return 0.0
+        start = time.perf_counter()
+        snapshots.sync_from_device(self.model)
+        snap.learning_rate = snapshots.learning_rate(self.model)
+        snapshots.save(snap, self.directory)
+        return time.perf_counter() - start
 
     def _maybe_snapshot(self, batch: int) -> None:
         if not self._snapshots.due(self._step_seconds):
@@ -566,8 +600,13 @@ class NaNGuard(keras.callbacks.Callback):
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
         """Loads the snapshot NaNGuard wrote into `directory` into `model`.
 
-        The model (compiled with the same optimizer, and built) must have the
-        same variables. Returns the step at which the snapshot was taken.
+        `model` must be built, with the same architecture. Compiled with the
+        same optimizer, it gets the weights, the optimizer's variables and the
+        learning rate to go on with (the one NaNGuard lowered, if it did): it
+        resumes training where the snapshot was taken. Not compiled (for
+        inference), it gets the weights only. Raises `ValueError`, and changes
+        nothing, when the shapes do not match. Returns the step at which the
+        snapshot was taken.
 
         Example:
 
@@ -575,21 +614,7 @@ class NaNGuard(keras.callbacks.Callback):
         >>> # after fit(..., callbacks=[ng.NaNGuard(directory="ckpt")]):
         >>> # step = ng.NaNGuard.restore(model, "ckpt")
         """
-        snap = snapshots.load(directory)
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        # Names differ between two instances of one architecture; shapes don't.
-        shapes = [tuple(v.shape) for v in snapshots._tracked(model)]
-        if shapes != [a.shape for a in snap.values]:
-            raise ValueError(
-                "The snapshot in the directory was taken from a different model "
-                f"or optimizer. Received: directory={os.fspath(directory)!r} with "
-                f"{len(snap.values)} variables, model with {len(shapes)} (or "
-                "different shapes)"
-            )
-        snapshots.restore(model, snap)
-        return snap.step
+        return snapshots.load_into(model, directory).step
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -7,9 +7,11 @@ import re
 
 import keras
 import numpy as np
+import pytest
 from keras import ops
 
 import keras_nanguard as ng
+from keras_nanguard import snapshots
 from tests.helpers import assert_bit_identical, numpy
 
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
@@ -84,6 +86,59 @@ class _Weights(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.after.append(numpy(self.model.weights))
+
+
+# -------------------------------------------- finding 10: snapshot on disk
+def test_disk_snapshot_is_the_final_state_when_fit_returns(tmp_path):
+    x, y = _data()
+    model = _model(keras.optimizers.Adam(0.01))
+    guard = ng.NaNGuard(verbose=0, directory=tmp_path)
+    _fit(model, x, [guard], y=y, batch_size=16)  # 8 clean steps
+    fresh = _model(keras.optimizers.Adam(0.01), seed=9)
+    assert ng.NaNGuard.restore(fresh, tmp_path) == 8
+    assert_bit_identical(numpy(model.weights), numpy(fresh.weights), "weights")
+    assert_bit_identical(
+        numpy(model.optimizer.variables), numpy(fresh.optimizer.variables), "opt"
+    )
+
+
+def test_disk_snapshot_carries_the_learning_rate_nan_guard_lowered(tmp_path):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
+    model = _model(keras.optimizers.SGD(0.05))
+    guard = ng.NaNGuard(verbose=0, directory=tmp_path)
+    _fit(model, data, [guard])
+    assert guard.rollbacks == 1
+    lowered = np.float32(0.025)
+    assert _lr(model) == lowered
+    assert snapshots.load(tmp_path).learning_rate == float(lowered)
+    fresh = _model(keras.optimizers.SGD(0.05), seed=9)
+    assert ng.NaNGuard.restore(fresh, tmp_path) == 8
+    assert _lr(fresh) == lowered
+    assert_bit_identical(numpy(model.weights), numpy(fresh.weights), "weights")
+
+
+def test_restore_into_an_uncompiled_model_for_inference(tmp_path):
+    x, y = _data()
+    model = _model(keras.optimizers.Adam(0.01))
+    _fit(model, x, [ng.NaNGuard(verbose=0, directory=tmp_path)], y=y, batch_size=16)
+
+    infer = _model(None, seed=9, compile=False)
+    assert ng.NaNGuard.restore(infer, tmp_path) == 8
+    assert_bit_identical(numpy(model.weights), numpy(infer.weights), "weights")
+    np.testing.assert_array_equal(
+        infer.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
+
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    before = numpy(other.weights)
+    with pytest.raises(ValueError, match=r"different model.*Received: directory="):
+        ng.NaNGuard.restore(other, tmp_path)
+    assert_bit_identical(before, numpy(other.weights), "untouched")
+
+    unbuilt = keras.Sequential(_layers())
+    with pytest.raises(ValueError, match="not built"):
+        ng.NaNGuard.restore(unbuilt, tmp_path)
 
 
 # ------------------------------------------------------ finding 11: figures
