@@ -43,6 +43,17 @@ class NaNGuard(keras.callbacks.Callback):
     in 1% of the training time), and at the end of training; optionally
     written to `directory`.
 
+    A model that `fit` itself builds (a subclassed model or a `Sequential`
+    without `Input`, on TensorFlow; JAX and PyTorch build it before training
+    begins) has no variables when training begins: the first snapshot is
+    then taken at the end of the first batch (the first execution, with
+    `steps_per_execution`). That first step cannot be rolled back: with a
+    plain optimizer, if it makes the state non-finite there is no good state
+    to go back to and NaNGuard raises `NonFiniteError` (with `"warn"`, it
+    warns); with a SafeOptimizer a bad first step is never applied. To
+    protect the first step too, build the model before `fit`
+    (`keras.Input`, or `model.build(input_shape)`).
+
     What it does on *trouble*: non-finite weights or optimizer state, a
     non-finite loss with a plain optimizer (the bad update has been applied),
     or `max_rejections` steps in a row rejected by a SafeOptimizer (the state
@@ -234,22 +245,38 @@ class NaNGuard(keras.callbacks.Callback):
         self._checks = Cadence(self.check_every, 0.01, 1)
         self._last_time: float | None = None
         self._step_seconds: float | None = None
+        snapshots.sync_from_device(self.model)
+        self._rejected_seen = self._read_rejected()
+        self._checked_at = -1
+        # The last fit's rollback point only lends its buffers.
+        self._spare = self.snapshot or self._spare
+        self.snapshot = self._pending = None
+        self._started = False
+        self._at_snapshot = False  # the state is the rollback point's
+        if self.model.built:  # else Keras builds it in the first step
+            self._start()
+
+    def _start(self) -> None:
+        """Takes the first snapshot, once the model has its variables."""
+        self._started = True
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         snapshots.sync_from_device(self.model)
-        self._rejected_seen = self._read_rejected()
-        self._checked_at = -1
-        self._pending = None
-        snap, bad = snapshots.take(self.model, epoch=0, step=0, into=self.snapshot)
-        if snap is None:
+        snap, bad = snapshots.take(
+            self.model, epoch=self._epoch, step=self._step, into=self._reusable()
+        )
+        if snap is not None:
+            self._keep(snap)
+            self._at_snapshot = True
+        elif self._step == 0:
             raise NonFiniteError(
                 "NaNGuard: the model is already non-finite before training starts "
                 f"({', '.join(bad[:5])}); there is no good state to protect. "
                 "Re-initialise or load good weights first."
             )
-        self._keep(snap)
-        self._at_snapshot = True  # the state is the rollback point's
+        # else: the first step of a model built by `fit` went bad; the batch's
+        # checks report it and `_trouble` finds no snapshot.
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
@@ -261,6 +288,8 @@ class NaNGuard(keras.callbacks.Callback):
         self._step += 1
         self._time_step()
         self._at_snapshot = False
+        if not self._started:  # a model built by this first step
+            self._start()
         if self._skip_left > 0:  # discard this batch: undo its update
             self._skip_left -= 1
             snapshots.sync_from_device(self.model)
@@ -307,6 +336,9 @@ class NaNGuard(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         self._figures.finish(logs)
+        if not self._started:  # no batch in this epoch built the model
+            self._publish(logs)
+            return
         snapshots.sync_from_device(self.model)
         new_rejections, since = self._check_counters(force=True)
         if new_rejections:  # not yet seen by a periodic read
@@ -324,7 +356,7 @@ class NaNGuard(keras.callbacks.Callback):
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if not self._at_snapshot:
+        if self._started and not self._at_snapshot:
             self._keep_final_state()
         elif self.snapshot is not None:  # the state is the rollback point's
             self._save(self.snapshot)  # with the learning rate as it is now
@@ -440,6 +472,17 @@ class NaNGuard(keras.callbacks.Callback):
             return
         if self._pending is not None:  # taken after the last healthy batch
             self._spare, self._pending = self._pending, None
+        if self.snapshot is None:  # see `_start`
+            inc.action = "raised NonFiniteError: no good state to restore"
+            self._write_report()
+            raise NonFiniteError(
+                f"NaNGuard: {inc} The first step made the model non-finite and "
+                "there is no earlier good state: the model was built by `fit`, "
+                "so NaNGuard could take its first snapshot only after that "
+                "step. Build the model before `fit` (`keras.Input` or "
+                "`model.build(input_shape)`), or use a SafeOptimizer.",
+                report=self.report(),
+            )
         snapshots.restore(self.model, self.snapshot)
         self._at_snapshot = True
         where = f"restored the snapshot of epoch {self.snapshot.epoch}, step {self.snapshot.step}"

@@ -12,7 +12,7 @@ from keras import ops
 
 import keras_nanguard as ng
 from keras_nanguard import snapshots
-from tests.helpers import assert_bit_identical, numpy
+from tests.helpers import BACKEND, all_finite, assert_bit_identical, numpy
 
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
 
@@ -86,6 +86,76 @@ class _Weights(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.after.append(numpy(self.model.weights))
+
+
+# ------------------------------------- finding 2: models built by `fit`
+UNBUILT = ["sequential", "subclassed"]
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_trains_as_without_nan_guard(kind):
+    x, y = _data()
+    plain = _model(keras.optimizers.Adam(0.01), kind)
+    _fit(plain, x, [], y=y, batch_size=16)
+    model = _model(keras.optimizers.Adam(0.01), kind)
+    guard = ng.NaNGuard(verbose=0)
+    _fit(model, x, [guard], y=y, batch_size=16)
+    assert guard.incidents == []
+    assert_bit_identical(numpy(plain.weights), numpy(model.weights), "weights")
+    assert_bit_identical(
+        numpy(plain.optimizer.variables), numpy(model.optimizer.variables), "opt"
+    )
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_is_rolled_back_to_its_first_snapshot(kind):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
+    model = _model(keras.optimizers.SGD(0.05), kind)
+    guard, weights = ng.NaNGuard(verbose=0), _Weights()
+    _fit(model, data, [guard, weights])
+    (inc,) = guard.incidents
+    assert (inc.kind, inc.step, inc.batch) == ("nonfinite_loss", 3, 3)
+    # On TensorFlow the model has no variables at train begin: the first
+    # snapshot is taken after step 0. JAX and torch build it before.
+    first = 1 if BACKEND == "tensorflow" else 0
+    assert inc.action.startswith(
+        f"rolled back: restored the snapshot of epoch 0, step {first},"
+    )
+    expected = weights.after[0] if first else weights.at_begin
+    assert_bit_identical(expected, weights.after[3], "weights after the rollback")
+    assert all_finite(model.weights)
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_bad_first_step_with_safe_optimizer(kind):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
+    model = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
+    guard = ng.NaNGuard(verbose=0)
+    _fit(model, data, [guard])
+    assert [(i.kind, i.step, i.action) for i in guard.incidents] == [
+        ("rejected_step", 0, "none")
+    ]
+    reference = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
+    _fit(reference, _Drop(x, y, 16, [0]), [])
+    assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_bad_first_step_with_plain_optimizer(kind):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
+    model = _model(keras.optimizers.SGD(0.05), kind)
+    guard, weights = ng.NaNGuard(verbose=0), _Weights()
+    if BACKEND == "tensorflow":  # no state before step 0 to go back to
+        with pytest.raises(ng.NonFiniteError, match=r"first step.*built by `fit`"):
+            _fit(model, data, [guard, weights])
+        assert [i.kind for i in guard.incidents] == ["nonfinite_loss"]
+        return
+    _fit(model, data, [guard, weights])
+    assert guard.incidents[0].action.startswith("rolled back")
+    assert_bit_identical(weights.at_begin, weights.after[0], "weights")
 
 
 # -------------------------------------------- finding 10: snapshot on disk
