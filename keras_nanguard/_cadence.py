@@ -16,8 +16,9 @@ class Cadence:
         self.cost: float | None = None
         self.since = 0
 
-    def due(self, step_seconds: float | None) -> bool:
-        self.since += 1
+    def due(self, step_seconds: float | None, steps: int = 1) -> bool:
+        """Whether the job is due after `steps` more steps of `step_seconds`."""
+        self.since += steps
         if self.every != "auto":
             return self.since >= self.every
         if self.cost is None or not step_seconds:

@@ -24,25 +24,27 @@ class EpochFigures:
         self.segment: dict[str, float] = {}
         self.segment_n = 0  # batches since Keras's states were last reset
 
-    def keep(self, logs: dict) -> None:
-        """A kept batch: `logs` (Keras's running means) become the segment's,
-        and show the combined figures."""
+    def keep(self, logs: dict, steps: int = 1) -> None:
+        """`steps` kept batches: `logs` (Keras's running means) become the
+        segment's, and show the combined figures."""
         self.segment = {k: float(v) for k, v in logs.items() if is_metric(k, v)}
-        self.segment_n += 1
+        self.segment_n += steps
         self._show(logs)
 
-    def leave_out(self, logs: dict, keys: list[str] | None = None) -> None:
-        """Leaves the last batch out of the figures in `keys` (all by
-        default); the other figures keep it. `logs` then show the figures
-        without it (a figure with nothing kept yet is removed). The caller
+    def leave_out(
+        self, logs: dict, keys: list[str] | None = None, steps: int = 1
+    ) -> None:
+        """Leaves the last `steps` batches out of the figures in `keys` (all by
+        default); the other figures keep them. `logs` then show the figures
+        without them (a figure with nothing kept yet is removed). The caller
         resets Keras's metric states next."""
         current = {k: float(v) for k, v in logs.items() if is_metric(k, v)}
         for key in set(current) | set(self.segment):
             if keys is None or key in keys or key not in current:
                 if key in self.segment:
                     self._fold(key, self.segment[key], self.segment_n)
-            else:  # Keras's running mean already includes this batch
-                self._fold(key, current[key], self.segment_n + 1)
+            else:  # Keras's running mean already includes these batches
+                self._fold(key, current[key], self.segment_n + steps)
         self.segment, self.segment_n = {}, 0
         self._show(logs)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from keras_nanguard import snapshots
+from keras_nanguard import _replay, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
 from keras_nanguard._validation import check_writable, is_int, is_number
@@ -88,9 +88,12 @@ class NaNGuard(keras.callbacks.Callback):
     `TensorBoard`. It adds `nanguard_incidents`, `nanguard_rollbacks` and
     (with a SafeOptimizer) `nanguard_rejected_steps` to the logs.
 
-    With `steps_per_execution=k`, Keras calls back once per k steps, so
-    detection, rollback and the exclusion of figures work on whole groups of k
-    steps.
+    With `steps_per_execution=k` (not on PyTorch), Keras calls back once per
+    k steps, so detection, rollback and the exclusion of figures work on
+    whole executions of k steps. Steps are still counted one by one
+    (`incident.step`, `snapshot_every`): an incident in an execution is
+    placed at its first step and covers its k steps (`incident.steps`),
+    unless the `replay` data shows which batch held a NaN or inf.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
@@ -127,7 +130,9 @@ class NaNGuard(keras.callbacks.Callback):
         replay: optional `(x, y)` arrays or a `keras.utils.PyDataset` that
             `fit` reads unshuffled; the batch of an incident is then kept in
             `incident.batch_data` (and diagnosed, see `keras_nanguard.diagnose`).
-            Defaults to `None`.
+            With `steps_per_execution > 1`, the batch that holds a NaN or inf
+            if only one of the execution does, else all the execution's
+            batches, concatenated. Defaults to `None`.
         batch_size: batch size used with array `replay` data. Defaults to 32.
         verbose: 0 silent, 1 logs a line per incident (logger
             `"keras_nanguard"`, level WARNING). Defaults to 1.
@@ -234,8 +239,9 @@ class NaNGuard(keras.callbacks.Callback):
             )
         self._fit = self._fits
         self._fits += 1
-        self._step = 0
-        self._batch_step = 0
+        self._step = 0  # steps done in this fit
+        self._batch_step = 0  # global step of the current execution's first batch
+        self._batch_steps = 1  # steps in the current execution
         self._epoch = 0
         self._open: Incident | None = None
         self._rollbacks_since_snapshot = 0
@@ -284,14 +290,12 @@ class NaNGuard(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        self._batch_step = self._step  # 0-based global step of this batch
-        self._step += 1
-        self._time_step()
+        batch, steps = self._advance(batch)
         self._at_snapshot = False
         if not self._started:  # a model built by this first step
             self._start()
         if self._skip_left > 0:  # discard this batch: undo its update
-            self._skip_left -= 1
+            self._skip_left = max(0, self._skip_left - steps)
             snapshots.sync_from_device(self.model)
             snapshots.restore(self.model, self.snapshot)
             self._at_snapshot = True
@@ -320,6 +324,25 @@ class NaNGuard(keras.callbacks.Callback):
                 self._keep(self._pending)
             self._maybe_snapshot(batch)
         self._publish(logs)
+
+    def _advance(self, batch: int) -> tuple[int, int]:
+        """Counts the steps of this execution; returns its first batch (in the
+        epoch) and its number of steps.
+
+        With `steps_per_execution=k` Keras calls back once per k steps with
+        `batch` = the last of them; the last execution of an epoch may be
+        shorter (known from `params["steps"]` when Keras knows the epoch's
+        length).
+        """
+        k = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        first = max(0, batch - k + 1)
+        per_epoch = (self.params or {}).get("steps")
+        last = min(batch, per_epoch - 1) if per_epoch else batch
+        steps = max(1, last - first + 1)
+        self._batch_step, self._batch_steps = self._step, steps
+        self._step += steps
+        self._time_step(steps)
+        return first, steps
 
     def _on_bad_figures(
         self, batch: int, logs: dict, bad_logs: list[str], bad_loss: bool
@@ -379,14 +402,15 @@ class NaNGuard(keras.callbacks.Callback):
     def _check_counters(self, force: bool) -> tuple[int, int]:
         """New rejections since the last read, and the first step they may
         belong to. Reads only when due (or forced), see `check_every`."""
-        if self._safe is None or not (force or self._checks.due(self._step_seconds)):
+        due = self._checks.due(self._step_seconds, self._batch_steps)
+        if self._safe is None or not (force or due):
             return 0, self._batch_step
         start = time.perf_counter()
         snapshots.sync_from_device(self.model)
         rejected = self._read_rejected()
         new = rejected - self._rejected_seen
         since = self._checked_at + 1
-        self._rejected_seen, self._checked_at = rejected, self._batch_step
+        self._rejected_seen, self._checked_at = rejected, self._step - 1
         self._checks.done(time.perf_counter() - start)
         return new, since
 
@@ -405,12 +429,11 @@ class NaNGuard(keras.callbacks.Callback):
     ) -> None:
         safe = self._safe
         c = safe.counters()
-        if bad_logs and count == 1:  # this batch's own step
+        if bad_logs and count == 1:  # a step of this execution
             since = self._batch_step
         plural = "s" if count > 1 else ""
-        when = (
-            "" if since >= self._batch_step else f" in steps {since}-{self._batch_step}"
-        )
+        last = self._step - 1
+        when = "" if since >= last else f" in steps {since}-{last}"
         detail = (
             f"SafeOptimizer rejected {count} step{plural}{when}: "
             f"{safe.describe_last_rejection()}; nothing was applied."
@@ -432,29 +455,36 @@ class NaNGuard(keras.callbacks.Callback):
     def _record(
         self, batch, kind, detail, logs, variables, grad_norm=None, step=None
     ) -> None:
+        """Opens an incident, or extends the open one. `batch` is the first
+        batch (in the epoch) of the current execution, -1 at an epoch end."""
         loss = logs.get("loss")
         if self._open is not None and batch >= 0:
             inc = self._open  # the same episode goes on
-            inc.steps += 1
+            inc.steps += self._batch_steps
             inc.variables = sorted(set(inc.variables) | set(variables))
             if kind not in ("rejected_step", "nonfinite_metric"):
                 inc.kind, inc.detail = kind, detail
             return
+        if step is None:
+            step = self._batch_step if batch >= 0 else self._step
         inc = Incident(
             fit=self._fit,
             epoch=self._epoch,
-            step=step
-            if step is not None
-            else (self._batch_step if batch >= 0 else self._step),
+            step=step,
             batch=batch,
             kind=kind,
             detail=detail,
-            steps=1,
+            steps=self._batch_steps if batch >= 0 else 1,
             loss=None if loss is None else float(loss),
             grad_norm=grad_norm,
             variables=list(variables),
         )
-        inc.batch_data = self._replay_batch(batch)
+        if self.replay is not None and batch >= 0:
+            inc.batch_data, bad = _replay.batches(
+                self.replay, self.batch_size, batch, batch + self._batch_steps - 1
+            )
+            if bad is not None and step == self._batch_step:  # the bad one is known
+                inc.batch, inc.step, inc.steps = bad, step + bad - batch, 1
         self.incidents.append(inc)
         self._open = inc if batch >= 0 else None
         if inc.batch_data is not None:
@@ -583,7 +613,7 @@ class NaNGuard(keras.callbacks.Callback):
         return time.perf_counter() - start
 
     def _maybe_snapshot(self, batch: int) -> None:
-        if not self._snapshots.due(self._step_seconds):
+        if not self._snapshots.due(self._step_seconds, self._batch_steps):
             return
         snapshots.sync_from_device(self.model)
         snap, bad = snapshots.take(
@@ -597,10 +627,10 @@ class NaNGuard(keras.callbacks.Callback):
         else:
             self._pending = snap
 
-    def _time_step(self) -> None:
+    def _time_step(self, steps: int) -> None:
         now = time.perf_counter()
         if self._last_time is not None:
-            dt = now - self._last_time
+            dt = (now - self._last_time) / steps
             self._step_seconds = (
                 dt
                 if self._step_seconds is None
@@ -610,12 +640,13 @@ class NaNGuard(keras.callbacks.Callback):
 
     # --------------------------------------------------------------- logs
     def _keep_in(self, logs: dict) -> None:
-        self._figures.keep(logs)
+        self._figures.keep(logs, self._batch_steps)
 
     def _leave_out(self, logs: dict, keys: list[str] | None = None) -> None:
-        """Leaves this batch out of the epoch's figures (those in `keys`, or
-        all); Keras's metric states, which include it, start afresh."""
-        self._figures.leave_out(logs, keys)
+        """Leaves this execution's batches out of the epoch's figures (those in
+        `keys`, or all); Keras's metric states, which include them, start
+        afresh."""
+        self._figures.leave_out(logs, keys, self._batch_steps)
         snapshots.sync_from_device(self.model)
         self.model.reset_metrics()
 
@@ -624,20 +655,6 @@ class NaNGuard(keras.callbacks.Callback):
         logs["nanguard_rollbacks"] = self.rollbacks
         if self._safe is not None:
             logs["nanguard_rejected_steps"] = self._rejected_seen
-
-    # ----------------------------------------------------------- replay data
-    def _replay_batch(self, batch: int) -> Any:
-        data = self.replay
-        if data is None or batch < 0:
-            return None
-        if isinstance(data, keras.utils.PyDataset):
-            return data[batch] if batch < len(data) else None
-        x, y = data if isinstance(data, tuple | list) else (data, None)
-        lo = batch * self.batch_size
-        if lo >= len(x):
-            return None
-        sl = slice(lo, lo + self.batch_size)
-        return (x[sl],) if y is None else (x[sl], y[sl])
 
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
