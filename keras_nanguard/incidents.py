@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import tempfile
 from typing import Any
+
+import keras
+import numpy as np
+
+from keras_nanguard.diagnosis import Diagnosis, diagnose
 
 
 @dataclasses.dataclass
 class Incident:
-    """One episode of trouble: consecutive bad steps count as one incident."""
+    """One episode of trouble: consecutive bad steps count as one incident.
+
+    `step` is the 0-based step of this `fit` where it began, `batch` that
+    step's batch in the epoch (-1 when found at the end of an epoch), and
+    `steps` how many steps it covers. With `steps_per_execution=k`, Keras
+    reports on k steps at once: an incident covers the whole execution,
+    from its first step, unless the replayed data shows which batch was bad.
+    `kind` is one of `"rejected_step"` (a SafeOptimizer refused the update),
+    `"halted"` (it stopped accepting any), `"nonfinite_loss"`,
+    `"nonfinite_metric"` (a metric is NaN or inf, the loss is finite) and
+    `"nonfinite_weights"`.
+    """
 
     fit: int
     epoch: int
@@ -47,3 +66,33 @@ class Incident:
                 f" and {more} more." if more > 0 else "."
             )
         return f"{text} Action: {self.action}."
+
+
+def diagnose_batch(inc: Incident, model: keras.Model) -> None:
+    """Diagnoses the incident's replayed batch; a finding joins the detail."""
+    try:
+        found = diagnose(model, *inc.batch_data, optimizer=model.optimizer)
+    except Exception as err:  # a report must never break training
+        inc.diagnosis = f"diagnose() failed: {type(err).__name__}: {err}"
+        return
+    inc.diagnosis = found
+    if isinstance(found, Diagnosis) and not found.healthy:
+        layer = f", layer '{found.layer}'" if found.layer else ""
+        inc.detail += (
+            f" Diagnosis: {found.stage} stage{layer}, {', '.join(found.causes)}."
+        )
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Writes `report` to `path` atomically (a temporary file, then a rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f, indent=2, default=_json_default)
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)

@@ -2,50 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import tempfile
 import time
 import warnings
 from typing import Any
 
 import keras
-import numpy as np
 
-from keras_nanguard import snapshots
-from keras_nanguard._figures import EpochFigures, nonfinite
+from keras_nanguard import _replay, snapshots
+from keras_nanguard._cadence import Cadence
+from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
 from keras_nanguard._validation import check_writable, is_int, is_number
-from keras_nanguard.diagnosis import Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.incidents import Incident
+from keras_nanguard.incidents import Incident, diagnose_batch, write_json
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 _LOG = logging.getLogger("keras_nanguard")
-
-
-class _Cadence:
-    """When a periodic host-side job is due: every `every` steps, or, with
-    "auto", as often as keeps its measured cost within `budget` of the
-    measured step time, and at least `min_every` steps apart."""
-
-    def __init__(self, every: int | str, budget: float, min_every: int) -> None:
-        self.every, self.budget, self.min_every = every, budget, min_every
-        self.cost: float | None = None
-        self.since = 0
-
-    def due(self, step_seconds: float | None) -> bool:
-        self.since += 1
-        if self.every != "auto":
-            return self.since >= self.every
-        if self.cost is None or not step_seconds:
-            return self.since >= self.min_every
-        interval = math.ceil(self.cost / (self.budget * step_seconds))
-        return self.since >= max(self.min_every, interval)
-
-    def done(self, cost: float) -> None:
-        self.cost, self.since = cost, 0
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -67,7 +40,19 @@ class NaNGuard(keras.callbacks.Callback):
     It keeps a last-known-good snapshot of every model weight and optimizer
     variable, on the host, taken only when all are finite: at the start of
     training, then every `snapshot_every` steps (by default as often as fits
-    in 1% of the training time), and optionally written to `directory`.
+    in 1% of the training time), and at the end of training; optionally
+    written to `directory`.
+
+    A model that `fit` itself builds (a subclassed model or a `Sequential`
+    without `Input`, on TensorFlow; JAX and PyTorch build it before training
+    begins) has no variables when training begins: the first snapshot is
+    then taken at the end of the first batch (the first execution, with
+    `steps_per_execution`). That first step cannot be rolled back: with a
+    plain optimizer, if it makes the state non-finite there is no good state
+    to go back to and NaNGuard raises `NonFiniteError` (with `"warn"`, it
+    warns); with a SafeOptimizer a bad first step is never applied. To
+    protect the first step too, build the model before `fit`
+    (`keras.Input`, or `model.build(input_shape)`).
 
     What it does on *trouble*: non-finite weights or optimizer state, a
     non-finite loss with a plain optimizer (the bad update has been applied),
@@ -85,19 +70,30 @@ class NaNGuard(keras.callbacks.Callback):
       with the incident report.
     - `"warn"`: only warn.
 
-    Reported figures: a batch whose loss or metrics are non-finite, and a
-    discarded batch, are left out of the epoch's loss and metrics (Keras's
-    metric states are reset and NaNGuard combines the parts, each batch
-    weighted equally), so the progress bar, `History`, `CSVLogger` and
-    callbacks after NaNGuard see finite figures. NaNGuard edits `logs` in
-    place: list it *before* `ModelCheckpoint`, `BackupAndRestore`,
-    `EarlyStopping`, `CSVLogger` and `TensorBoard`. It adds `nanguard_incidents`,
-    `nanguard_rollbacks` and (with a SafeOptimizer) `nanguard_rejected_steps`
-    to the logs.
+    Reported figures: a batch whose loss is non-finite, and a discarded
+    batch, are left out of the epoch's loss and metrics; a non-finite metric
+    with a finite loss (incident kind `"nonfinite_metric"`) is left out of
+    that metric only. (Keras's metric states are reset and NaNGuard combines
+    the parts, each batch weighted equally.) So the progress bar, `History`,
+    `CSVLogger` and callbacks after NaNGuard never see NaN because of a bad
+    batch. A figure with no healthy batch in the epoch is left out of that
+    epoch's logs, as Keras leaves out `val_loss` in an epoch it does not
+    validate: the progress bar does not show it, `History` has no entry for
+    that epoch (its list is shorter than `History.epoch`), `CSVLogger`
+    writes `NA` (if the first epoch of a `fit` is such an epoch, the file has
+    no column for that figure), and `EarlyStopping`, `ReduceLROnPlateau` and
+    `ModelCheckpoint` warn that the figure is not available and skip the
+    epoch. NaNGuard edits `logs` in place: list it *before*
+    `ModelCheckpoint`, `BackupAndRestore`, `EarlyStopping`, `CSVLogger` and
+    `TensorBoard`. It adds `nanguard_incidents`, `nanguard_rollbacks` and
+    (with a SafeOptimizer) `nanguard_rejected_steps` to the logs.
 
-    With `steps_per_execution=k`, Keras calls back once per k steps, so
-    detection, rollback and the exclusion of figures work on whole groups of k
-    steps.
+    With `steps_per_execution=k` (not on PyTorch), Keras calls back once per
+    k steps, so detection, rollback and the exclusion of figures work on
+    whole executions of k steps. Steps are still counted one by one
+    (`incident.step`, `snapshot_every`): an incident in an execution is
+    placed at its first step and covers its k steps (`incident.steps`),
+    unless the `replay` data shows which batch held a NaN or inf.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
@@ -122,16 +118,21 @@ class NaNGuard(keras.callbacks.Callback):
             between before stopping. Defaults to 3.
         max_rejections: int >= 1: steps in a row rejected by a SafeOptimizer
             that count as trouble. Defaults to 3.
-        directory: optional path; each snapshot is also written there,
-            atomically, as `nanguard_snapshot.npz` (read it back with
-            `keras_nanguard.snapshots.load`). Defaults to `None`.
+        directory: optional path; each snapshot that becomes the rollback
+            point is also written there, atomically, as
+            `nanguard_snapshot.npz`, with the learning rate to go on with
+            (NaNGuard's lowered one). When `fit` returns it holds the final
+            state if that is finite. Load it with `NaNGuard.restore`.
+            Defaults to `None`.
         report_path: optional path of a JSON file with every incident,
             rewritten atomically after each incident and at the end of
             training. Defaults to `None`.
         replay: optional `(x, y)` arrays or a `keras.utils.PyDataset` that
             `fit` reads unshuffled; the batch of an incident is then kept in
             `incident.batch_data` (and diagnosed, see `keras_nanguard.diagnose`).
-            Defaults to `None`.
+            With `steps_per_execution > 1`, the batch that holds a NaN or inf
+            if only one of the execution does, else all the execution's
+            batches, concatenated. Defaults to `None`.
         batch_size: batch size used with array `replay` data. Defaults to 32.
         verbose: 0 silent, 1 logs a line per incident (logger
             `"keras_nanguard"`, level WARNING). Defaults to 1.
@@ -238,8 +239,9 @@ class NaNGuard(keras.callbacks.Callback):
             )
         self._fit = self._fits
         self._fits += 1
-        self._step = 0
-        self._batch_step = 0
+        self._step = 0  # steps done in this fit
+        self._batch_step = 0  # global step of the current execution's first batch
+        self._batch_steps = 1  # steps in the current execution
         self._epoch = 0
         self._open: Incident | None = None
         self._rollbacks_since_snapshot = 0
@@ -247,25 +249,42 @@ class NaNGuard(keras.callbacks.Callback):
         self._safe = snapshots.find_safe_optimizer(self.model.optimizer)
         if self._safe is not None:  # a rejected step keeps BN statistics too
             self._safe.attach(self.model)
-        self._snapshots = _Cadence(self.snapshot_every, self.snapshot_budget, 10)
-        self._checks = _Cadence(self.check_every, 0.01, 1)
+        self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
+        self._checks = Cadence(self.check_every, 0.01, 1)
         self._last_time: float | None = None
         self._step_seconds: float | None = None
+        snapshots.sync_from_device(self.model)
+        self._rejected_seen = self._read_rejected()
+        self._checked_at = -1
+        # The last fit's rollback point only lends its buffers.
+        self._spare = self.snapshot or self._spare
+        self.snapshot = self._pending = None
+        self._started = False
+        self._at_snapshot = False  # the state is the rollback point's
+        if self.model.built:  # else Keras builds it in the first step
+            self._start()
+
+    def _start(self) -> None:
+        """Takes the first snapshot, once the model has its variables."""
+        self._started = True
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         snapshots.sync_from_device(self.model)
-        self._rejected_seen = self._read_rejected()
-        self._checked_at = -1
-        self._pending = None
-        snap, bad = snapshots.take(self.model, epoch=0, step=0, into=self.snapshot)
-        if snap is None:
+        snap, bad = snapshots.take(
+            self.model, epoch=self._epoch, step=self._step, into=self._reusable()
+        )
+        if snap is not None:
+            self._keep(snap)
+            self._at_snapshot = True
+        elif self._step == 0:
             raise NonFiniteError(
                 "NaNGuard: the model is already non-finite before training starts "
                 f"({', '.join(bad[:5])}); there is no good state to protect. "
                 "Re-initialise or load good weights first."
             )
-        self._keep(snap)
+        # else: the first step of a model built by `fit` went bad; the batch's
+        # checks report it and `_trouble` finds no snapshot.
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
@@ -273,13 +292,15 @@ class NaNGuard(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        self._batch_step = self._step  # 0-based global step of this batch
-        self._step += 1
-        self._time_step()
+        batch, steps = self._advance(batch)
+        self._at_snapshot = False
+        if not self._started:  # a model built by this first step
+            self._start()
         if self._skip_left > 0:  # discard this batch: undo its update
-            self._skip_left -= 1
+            self._skip_left = max(0, self._skip_left - steps)
             snapshots.sync_from_device(self.model)
             snapshots.restore(self.model, self.snapshot)
+            self._at_snapshot = True
             self._leave_out(logs)
             self._publish(logs)
             return
@@ -288,17 +309,13 @@ class NaNGuard(keras.callbacks.Callback):
         new_rejections, since = self._check_counters(force=bool(bad_logs))
         if bad_logs:  # this batch's figures are bad: it is left out of them
             snapshots.sync_from_device(self.model)
+            bad_loss = any(is_loss(k) for k in bad_logs)
             if new_rejections:
                 self._on_rejection(batch, logs, bad_logs, new_rejections, since)
             else:
-                variables = snapshots.nonfinite_names(self.model)
-                detail = _describe_logs(logs, bad_logs)
-                if variables:
-                    detail += " The update was applied: the state is non-finite."
-                self._record(batch, "nonfinite_loss", detail, logs, variables)
-                if variables:
-                    self._trouble()
-            self._leave_out(logs)
+                self._on_bad_figures(batch, logs, bad_logs, bad_loss)
+            # A non-finite metric with a finite loss: only the metric is left out.
+            self._leave_out(logs, None if bad_loss else bad_logs)
         elif new_rejections:  # rejected with finite figures, e.g. an overflow
             self._keep_in(logs)
             self._on_rejection(batch, logs, [], new_rejections, since)
@@ -310,9 +327,43 @@ class NaNGuard(keras.callbacks.Callback):
             self._maybe_snapshot(batch)
         self._publish(logs)
 
+    def _advance(self, batch: int) -> tuple[int, int]:
+        """Counts the steps of this execution; returns its first batch (in the
+        epoch) and its number of steps.
+
+        With `steps_per_execution=k` Keras calls back once per k steps with
+        `batch` = the last of them; the last execution of an epoch may be
+        shorter (known from `params["steps"]` when Keras knows the epoch's
+        length).
+        """
+        k = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        first = max(0, batch - k + 1)
+        per_epoch = (self.params or {}).get("steps")
+        last = min(batch, per_epoch - 1) if per_epoch else batch
+        steps = max(1, last - first + 1)
+        self._batch_step, self._batch_steps = self._step, steps
+        self._step += steps
+        self._time_step(steps)
+        return first, steps
+
+    def _on_bad_figures(
+        self, batch: int, logs: dict, bad_logs: list[str], bad_loss: bool
+    ) -> None:
+        variables = snapshots.nonfinite_names(self.model)
+        detail = _describe_logs(logs, bad_logs)
+        if variables:
+            detail += " The update was applied: the state is non-finite."
+        kind = "nonfinite_loss" if bad_loss else "nonfinite_metric"
+        self._record(batch, kind, detail, logs, variables)
+        if variables:
+            self._trouble()
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         self._figures.finish(logs)
+        if not self._started:  # no batch in this epoch built the model
+            self._publish(logs)
+            return
         snapshots.sync_from_device(self.model)
         new_rejections, since = self._check_counters(force=True)
         if new_rejections:  # not yet seen by a periodic read
@@ -330,20 +381,38 @@ class NaNGuard(keras.callbacks.Callback):
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._started and not self._at_snapshot:
+            self._keep_final_state()
+        elif self.snapshot is not None:  # the state is the rollback point's
+            self._save(self.snapshot)  # with the learning rate as it is now
         self._write_report()
+
+    def _keep_final_state(self) -> None:
+        """Makes the state `fit` returns the rollback point (and writes it to
+        `directory`) if it is finite: nothing comes after it to prove it."""
+        if self._pending is not None and self._pending.step == self._step:
+            self._keep(self._pending)  # taken at the end of the last epoch
+            return
+        snapshots.sync_from_device(self.model)
+        snap, _ = snapshots.take(
+            self.model, epoch=self._epoch + 1, step=self._step, into=self._reusable()
+        )
+        if snap is not None:
+            self._keep(snap)
 
     # -------------------------------------------------------------- signals
     def _check_counters(self, force: bool) -> tuple[int, int]:
         """New rejections since the last read, and the first step they may
         belong to. Reads only when due (or forced), see `check_every`."""
-        if self._safe is None or not (force or self._checks.due(self._step_seconds)):
+        due = self._checks.due(self._step_seconds, self._batch_steps)
+        if self._safe is None or not (force or due):
             return 0, self._batch_step
         start = time.perf_counter()
         snapshots.sync_from_device(self.model)
         rejected = self._read_rejected()
         new = rejected - self._rejected_seen
         since = self._checked_at + 1
-        self._rejected_seen, self._checked_at = rejected, self._batch_step
+        self._rejected_seen, self._checked_at = rejected, self._step - 1
         self._checks.done(time.perf_counter() - start)
         return new, since
 
@@ -362,12 +431,11 @@ class NaNGuard(keras.callbacks.Callback):
     ) -> None:
         safe = self._safe
         c = safe.counters()
-        if bad_logs and count == 1:  # this batch's own step
+        if bad_logs and count == 1:  # a step of this execution
             since = self._batch_step
         plural = "s" if count > 1 else ""
-        when = (
-            "" if since >= self._batch_step else f" in steps {since}-{self._batch_step}"
-        )
+        last = self._step - 1
+        when = "" if since >= last else f" in steps {since}-{last}"
         detail = (
             f"SafeOptimizer rejected {count} step{plural}{when}: "
             f"{safe.describe_last_rejection()}; nothing was applied."
@@ -389,43 +457,40 @@ class NaNGuard(keras.callbacks.Callback):
     def _record(
         self, batch, kind, detail, logs, variables, grad_norm=None, step=None
     ) -> None:
+        """Opens an incident, or extends the open one. `batch` is the first
+        batch (in the epoch) of the current execution, -1 at an epoch end."""
         loss = logs.get("loss")
         if self._open is not None and batch >= 0:
             inc = self._open  # the same episode goes on
-            inc.steps += 1
+            inc.steps += self._batch_steps
             inc.variables = sorted(set(inc.variables) | set(variables))
-            if kind != "rejected_step":
+            if kind not in ("rejected_step", "nonfinite_metric"):
                 inc.kind, inc.detail = kind, detail
             return
+        if step is None:
+            step = self._batch_step if batch >= 0 else self._step
         inc = Incident(
             fit=self._fit,
             epoch=self._epoch,
-            step=step
-            if step is not None
-            else (self._batch_step if batch >= 0 else self._step),
+            step=step,
             batch=batch,
             kind=kind,
             detail=detail,
-            steps=1,
+            steps=self._batch_steps if batch >= 0 else 1,
             loss=None if loss is None else float(loss),
             grad_norm=grad_norm,
             variables=list(variables),
         )
-        inc.batch_data = self._replay_batch(batch)
+        if self.replay is not None and batch >= 0:
+            inc.batch_data, bad = _replay.batches(
+                self.replay, self.batch_size, batch, batch + self._batch_steps - 1
+            )
+            if bad is not None and step == self._batch_step:  # the bad one is known
+                inc.batch, inc.step, inc.steps = bad, step + bad - batch, 1
         self.incidents.append(inc)
         self._open = inc if batch >= 0 else None
         if inc.batch_data is not None:
-            inc.diagnosis = _diagnose(self.model, inc.batch_data)
-            if isinstance(inc.diagnosis, Diagnosis) and not inc.diagnosis.healthy:
-                inc.detail += (
-                    f" Diagnosis: {inc.diagnosis.stage} stage"
-                    + (
-                        f", layer '{inc.diagnosis.layer}'"
-                        if inc.diagnosis.layer
-                        else ""
-                    )
-                    + f", {', '.join(inc.diagnosis.causes)}."
-                )
+            diagnose_batch(inc, self.model)
         if self.verbose:
             _LOG.warning("NaNGuard: %s", inc)
         self._write_report()
@@ -439,7 +504,19 @@ class NaNGuard(keras.callbacks.Callback):
             return
         if self._pending is not None:  # taken after the last healthy batch
             self._spare, self._pending = self._pending, None
+        if self.snapshot is None:  # see `_start`
+            inc.action = "raised NonFiniteError: no good state to restore"
+            self._write_report()
+            raise NonFiniteError(
+                f"NaNGuard: {inc} The first step made the model non-finite and "
+                "there is no earlier good state: the model was built by `fit`, "
+                "so NaNGuard could take its first snapshot only after that "
+                "step. Build the model before `fit` (`keras.Input` or "
+                "`model.build(input_shape)`), or use a SafeOptimizer.",
+                report=self.report(),
+            )
         snapshots.restore(self.model, self.snapshot)
+        self._at_snapshot = True
         where = f"restored the snapshot of epoch {self.snapshot.epoch}, step {self.snapshot.step}"
         if self.policy == "raise":
             inc.action = where + ", raised NonFiniteError"
@@ -453,6 +530,7 @@ class NaNGuard(keras.callbacks.Callback):
             if lr is not None:
                 inc.learning_rate = lr
                 inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
+                self._save(self.snapshot)  # the rate to go on with
             if self.skip_batches:
                 self._skip_left = self.skip_batches
                 inc.action += f", discarding the next {self.skip_batches} batches"
@@ -505,13 +583,8 @@ class NaNGuard(keras.callbacks.Callback):
         return "\n".join(lines)
 
     def _write_report(self) -> None:
-        if self.report_path is None:
-            return
-        directory = os.path.dirname(os.path.abspath(self.report_path))
-        fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.report(), f, indent=2, default=_json_default)
-        os.replace(tmp, self.report_path)
+        if self.report_path is not None:
+            write_json(self.report_path, self.report())
 
     # ------------------------------------------------------------ snapshots
     def _reusable(self) -> snapshots.Snapshot | None:
@@ -527,14 +600,22 @@ class NaNGuard(keras.callbacks.Callback):
         self.snapshot, self._pending = snap, None
         self.snapshots_taken += 1
         self._rollbacks_since_snapshot = 0
-        if self.directory is not None:
-            start = time.perf_counter()
-            snapshots.save(snap, self.directory)
-            snap.seconds += time.perf_counter() - start
+        snap.seconds += self._save(snap)
         self._snapshots.done(snap.seconds)
 
+    def _save(self, snap: snapshots.Snapshot) -> float:
+        """Writes the rollback point to `directory`, with the learning rate
+        training goes on with; returns the seconds it took."""
+        if self.directory is None:
+            return 0.0
+        start = time.perf_counter()
+        snapshots.sync_from_device(self.model)
+        snap.learning_rate = snapshots.learning_rate(self.model)
+        snapshots.save(snap, self.directory)
+        return time.perf_counter() - start
+
     def _maybe_snapshot(self, batch: int) -> None:
-        if not self._snapshots.due(self._step_seconds):
+        if not self._snapshots.due(self._step_seconds, self._batch_steps):
             return
         snapshots.sync_from_device(self.model)
         snap, bad = snapshots.take(
@@ -548,10 +629,10 @@ class NaNGuard(keras.callbacks.Callback):
         else:
             self._pending = snap
 
-    def _time_step(self) -> None:
+    def _time_step(self, steps: int) -> None:
         now = time.perf_counter()
         if self._last_time is not None:
-            dt = now - self._last_time
+            dt = (now - self._last_time) / steps
             self._step_seconds = (
                 dt
                 if self._step_seconds is None
@@ -561,12 +642,13 @@ class NaNGuard(keras.callbacks.Callback):
 
     # --------------------------------------------------------------- logs
     def _keep_in(self, logs: dict) -> None:
-        self._figures.keep(logs)
+        self._figures.keep(logs, self._batch_steps)
 
-    def _leave_out(self, logs: dict) -> None:
-        """Leaves this batch out of the epoch's figures; Keras's metric states,
-        which include it, start afresh."""
-        self._figures.leave_out(logs)
+    def _leave_out(self, logs: dict, keys: list[str] | None = None) -> None:
+        """Leaves this execution's batches out of the epoch's figures (those in
+        `keys`, or all); Keras's metric states, which include them, start
+        afresh."""
+        self._figures.leave_out(logs, keys, self._batch_steps)
         snapshots.sync_from_device(self.model)
         self.model.reset_metrics()
 
@@ -576,26 +658,17 @@ class NaNGuard(keras.callbacks.Callback):
         if self._safe is not None:
             logs["nanguard_rejected_steps"] = self._rejected_seen
 
-    # ----------------------------------------------------------- replay data
-    def _replay_batch(self, batch: int) -> Any:
-        data = self.replay
-        if data is None or batch < 0:
-            return None
-        if isinstance(data, keras.utils.PyDataset):
-            return data[batch] if batch < len(data) else None
-        x, y = data if isinstance(data, tuple | list) else (data, None)
-        lo = batch * self.batch_size
-        if lo >= len(x):
-            return None
-        sl = slice(lo, lo + self.batch_size)
-        return (x[sl],) if y is None else (x[sl], y[sl])
-
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
         """Loads the snapshot NaNGuard wrote into `directory` into `model`.
 
-        The model (compiled with the same optimizer, and built) must have the
-        same variables. Returns the step at which the snapshot was taken.
+        `model` must be built, with the same architecture. Compiled with the
+        same optimizer, it gets the weights, the optimizer's variables and the
+        learning rate to go on with (the one NaNGuard lowered, if it did): it
+        resumes training where the snapshot was taken. Not compiled (for
+        inference), it gets the weights only. Raises `ValueError`, and changes
+        nothing, when the shapes do not match. Returns the step at which the
+        snapshot was taken.
 
         Example:
 
@@ -603,21 +676,7 @@ class NaNGuard(keras.callbacks.Callback):
         >>> # after fit(..., callbacks=[ng.NaNGuard(directory="ckpt")]):
         >>> # step = ng.NaNGuard.restore(model, "ckpt")
         """
-        snap = snapshots.load(directory)
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        # Names differ between two instances of one architecture; shapes don't.
-        shapes = [tuple(v.shape) for v in snapshots._tracked(model)]
-        if shapes != [a.shape for a in snap.values]:
-            raise ValueError(
-                "The snapshot in the directory was taken from a different model "
-                f"or optimizer. Received: directory={os.fspath(directory)!r} with "
-                f"{len(snap.values)} variables, model with {len(shapes)} (or "
-                "different shapes)"
-            )
-        snapshots.restore(model, snap)
-        return snap.step
+        return snapshots.load_into(model, directory).step
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -641,19 +700,6 @@ class NaNGuard(keras.callbacks.Callback):
 
 
 # ------------------------------------------------------------------ helpers
-def _diagnose(model: keras.Model, batch: Any) -> Diagnosis | str:
-    try:
-        return diagnose(model, *batch, optimizer=model.optimizer)
-    except Exception as err:  # a report must never break training
-        return f"diagnose() failed: {type(err).__name__}: {err}"
-
-
 def _describe_logs(logs: dict, bad: list[str]) -> str:
     shown = ", ".join(f"{k}={logs[k]}" for k in bad)
     return f"non-finite {shown} in this batch."
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)

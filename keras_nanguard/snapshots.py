@@ -59,15 +59,34 @@ def variable_name(v: keras.Variable) -> str:
     return getattr(v, "path", None) or v.name
 
 
+def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
+    lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None  # not a schedule
+
+
+def learning_rate(model: keras.Model) -> float | None:
+    """The optimizer's learning rate (host read); `None` for a schedule."""
+    lr = _learning_rate_variable(model)
+    return None if lr is None else float(host_view(lr))
+
+
 @dataclasses.dataclass
 class Snapshot:
-    """Host copies of a model's weights and optimizer variables."""
+    """Host copies of a model's weights and optimizer variables.
+
+    The first `n_weights` values are the model's weights (`model.weights`),
+    the rest its optimizer's variables. `learning_rate` is the optimizer's
+    learning rate to go on with (`None` with a schedule): NaNGuard keeps it
+    current when it lowers the rate, and `NaNGuard.restore` sets it.
+    """
 
     values: list[np.ndarray]
     names: list[str]
     epoch: int
     step: int
     seconds: float = 0.0
+    n_weights: int | None = None
+    learning_rate: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,6 +145,10 @@ def take(
     variables = _tracked(model)
     skip = _unchecked(model)
     views = [host_view(v) for v in variables]
+    lr = _learning_rate_variable(model)
+    lr_value = next(
+        (float(view) for v, view in zip(variables, views, strict=True) if v is lr), None
+    )
     bad = [
         variable_name(v)
         for v, view in zip(variables, views, strict=True)
@@ -150,6 +173,7 @@ def take(
         snap = Snapshot(
             [np.array(view, copy=True) for view in views], names, epoch, step
         )
+    snap.n_weights, snap.learning_rate = len(model.weights), lr_value
     snap.seconds = time.perf_counter() - start
     return snap, []
 
@@ -167,20 +191,71 @@ def restore(model: keras.Model, snapshot: Snapshot) -> None:
             f"{len(snapshot.values)} variables, the model and optimizer have "
             f"{len(variables)}."
         )
+    _assign(model, variables, snapshot.values)
+
+
+def _assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> None:
     keep = _unchecked(model)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and isinstance(optimizer.learning_rate, keras.Variable):
-        keep.add(id(optimizer.learning_rate))
-    for v, value in zip(variables, snapshot.values, strict=True):
+    lr = _learning_rate_variable(model)
+    if lr is not None:
+        keep.add(id(lr))
+    for v, value in zip(variables, values, strict=True):
         if id(v) not in keep:
             v.assign(value)
+
+
+def load_into(model: keras.Model, directory: str | os.PathLike) -> Snapshot:
+    """Loads the snapshot in `directory` into `model` and returns it.
+
+    The model's weights always; its optimizer's variables and learning rate
+    when the model has an optimizer (it is built if needed). A model with no
+    optimizer (not compiled, e.g. for inference) gets the weights only.
+    Nothing is written unless every shape matches.
+    """
+    snap = load(directory)
+    if not model.built:
+        raise ValueError(
+            "`model` is not built, so it has no weights to load the snapshot "
+            "into. Call it on a batch or call `model.build(input_shape)` first. "
+            f"Received: model={model.name!r} (built=False)"
+        )
+    weights = list(model.weights)
+    # A file from before `n_weights` was stored: trust the shapes.
+    n = len(weights) if snap.n_weights is None else snap.n_weights
+    variables, values = weights, snap.values[:n]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and len(snap.values) > n:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables, values = weights + list(optimizer.variables), snap.values
+    shapes = [tuple(v.shape) for v in variables]
+    if shapes != [tuple(a.shape) for a in values]:
+        raise ValueError(
+            "The snapshot in the directory was taken from a different model "
+            f"or optimizer: {n} weights and {len(snap.values) - n} optimizer "
+            f"variables. Received: directory={os.fspath(directory)!r}, model "
+            f"with {len(weights)} weights and "
+            f"{len(variables) - len(weights)} optimizer variables "
+            "(or different shapes)"
+        )
+    _assign(model, variables, values)
+    lr = _learning_rate_variable(model)
+    if lr is not None and snap.learning_rate is not None:
+        lr.assign(snap.learning_rate)
+    return snap
 
 
 def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
     """Writes `snapshot` atomically into `directory`; returns the file path."""
     directory = os.fspath(directory)
     path = os.path.join(directory, SNAPSHOT_FILE)
-    meta = {"names": snapshot.names, "epoch": snapshot.epoch, "step": snapshot.step}
+    meta = {
+        "names": snapshot.names,
+        "epoch": snapshot.epoch,
+        "step": snapshot.step,
+        "n_weights": snapshot.n_weights,
+        "learning_rate": snapshot.learning_rate,
+    }
     fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -221,4 +296,11 @@ def load(directory: str | os.PathLike) -> Snapshot:
             f"No readable keras-nanguard snapshot in {directory!s}. Received: "
             f"{path} ({err})"
         ) from err
-    return Snapshot(values, meta["names"], meta["epoch"], meta["step"])
+    return Snapshot(
+        values,
+        meta["names"],
+        meta["epoch"],
+        meta["step"],
+        n_weights=meta.get("n_weights"),
+        learning_rate=meta.get("learning_rate"),
+    )

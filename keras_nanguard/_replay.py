@@ -1,0 +1,54 @@
+"""The batches of an incident, read back from the data `fit` was given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+
+def batches(
+    data: Any, batch_size: int, first: int, last: int
+) -> tuple[Any, int | None]:
+    """The replay data of batches `first` to `last` of an epoch (one execution
+    with `steps_per_execution > 1`), and the index of the bad one when it is
+    knowable.
+
+    When exactly one of the batches holds a NaN or inf, only that batch is
+    returned, with its index; otherwise all of them, concatenated, and
+    `None`. `(None, None)` when the data has no such batch.
+    """
+    items = []
+    for i in range(first, last + 1):
+        item = _batch(data, batch_size, i)
+        if item is None:
+            break
+        items.append(item)
+    if not items:
+        return None, None
+    bad = [i for i, item in enumerate(items) if not _finite(item)]
+    if len(bad) == 1:
+        return items[bad[0]], first + bad[0]
+    if len(items) == 1:
+        return items[0], None
+    return keras.tree.map_structure(lambda *a: np.concatenate(a), *items), None
+
+
+def _batch(data: Any, batch_size: int, index: int) -> Any:
+    if isinstance(data, keras.utils.PyDataset):
+        return data[index] if index < len(data) else None
+    x, y = data if isinstance(data, tuple | list) else (data, None)
+    lo = index * batch_size
+    if lo >= len(x):
+        return None
+    sl = slice(lo, lo + batch_size)
+    return (x[sl],) if y is None else (x[sl], y[sl])
+
+
+def _finite(item: Any) -> bool:
+    for value in keras.tree.flatten(item):
+        array = np.asarray(value)
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            return False
+    return True

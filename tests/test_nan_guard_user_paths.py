@@ -1,0 +1,363 @@
+"""NaNGuard on the paths users take (issue 11): models built by `fit`,
+`steps_per_execution`, the snapshot on disk after `fit`, figures that never
+show NaN because NaNGuard left batches out."""
+
+import csv
+import re
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_nanguard as ng
+from keras_nanguard import snapshots
+from tests.helpers import BACKEND, all_finite, assert_bit_identical, numpy
+
+LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
+
+
+def _data(n=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 6)).astype("float32")
+    y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
+    return x, y
+
+
+def _layers():
+    return [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+
+
+class SubclassedNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = _layers()
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _model(optimizer, kind="input", seed=1, compile=True, **compile_kwargs):
+    """`kind`: "input" (built at once), "sequential" (a Sequential without
+    Input) or "subclassed" (both built by `fit`)."""
+    keras.utils.set_random_seed(seed)
+    if kind == "input":
+        model = keras.Sequential([keras.Input((6,)), *_layers()])
+    elif kind == "sequential":
+        model = keras.Sequential(_layers())
+    else:
+        model = SubclassedNet()
+    if compile:
+        model.compile(optimizer=optimizer, loss=LOSS, **compile_kwargs)
+    return model
+
+
+def _fit(model, data, callbacks, epochs=1, **kwargs):
+    return model.fit(
+        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
+    )
+
+
+def _lr(model):
+    return np.float32(ops.convert_to_numpy(model.optimizer.learning_rate))
+
+
+class _Drop(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size, drop):
+        super().__init__()
+        self.x, self.y, self.bs = x, y, batch_size
+        self.keep = [i for i in range(len(x) // batch_size) if i not in drop]
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        s = slice(self.keep[i] * self.bs, (self.keep[i] + 1) * self.bs)
+        return self.x[s], self.y[s]
+
+
+class _Weights(keras.callbacks.Callback):
+    """Listed after NaNGuard: the weights at train begin (when they exist) and
+    after every batch."""
+
+    def on_train_begin(self, logs=None):
+        self.at_begin = numpy(self.model.weights) if self.model.weights else None
+        self.after = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after.append(numpy(self.model.weights))
+
+
+# ------------------------------------- finding 2: models built by `fit`
+UNBUILT = ["sequential", "subclassed"]
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_trains_as_without_nan_guard(kind):
+    x, y = _data()
+    plain = _model(keras.optimizers.Adam(0.01), kind)
+    _fit(plain, x, [], y=y, batch_size=16)
+    model = _model(keras.optimizers.Adam(0.01), kind)
+    guard = ng.NaNGuard(verbose=0)
+    _fit(model, x, [guard], y=y, batch_size=16)
+    assert guard.incidents == []
+    assert_bit_identical(numpy(plain.weights), numpy(model.weights), "weights")
+    assert_bit_identical(
+        numpy(plain.optimizer.variables), numpy(model.optimizer.variables), "opt"
+    )
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_is_rolled_back_to_its_first_snapshot(kind):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
+    model = _model(keras.optimizers.SGD(0.05), kind)
+    guard, weights = ng.NaNGuard(verbose=0), _Weights()
+    _fit(model, data, [guard, weights])
+    (inc,) = guard.incidents
+    assert (inc.kind, inc.step, inc.batch) == ("nonfinite_loss", 3, 3)
+    # On TensorFlow the model has no variables at train begin: the first
+    # snapshot is taken after step 0. JAX and torch build it before.
+    first = 1 if BACKEND == "tensorflow" else 0
+    assert inc.action.startswith(
+        f"rolled back: restored the snapshot of epoch 0, step {first},"
+    )
+    expected = weights.after[0] if first else weights.at_begin
+    assert_bit_identical(expected, weights.after[3], "weights after the rollback")
+    assert all_finite(model.weights)
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_bad_first_step_with_safe_optimizer(kind):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
+    model = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
+    guard = ng.NaNGuard(verbose=0)
+    _fit(model, data, [guard])
+    assert [(i.kind, i.step, i.action) for i in guard.incidents] == [
+        ("rejected_step", 0, "none")
+    ]
+    reference = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
+    _fit(reference, _Drop(x, y, 16, [0]), [])
+    assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
+
+
+@pytest.mark.parametrize("kind", UNBUILT)
+def test_model_built_by_fit_bad_first_step_with_plain_optimizer(kind):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
+    model = _model(keras.optimizers.SGD(0.05), kind)
+    guard, weights = ng.NaNGuard(verbose=0), _Weights()
+    if BACKEND == "tensorflow":  # no state before step 0 to go back to
+        with pytest.raises(ng.NonFiniteError, match=r"first step.*built by `fit`"):
+            _fit(model, data, [guard, weights])
+        assert [i.kind for i in guard.incidents] == ["nonfinite_loss"]
+        return
+    _fit(model, data, [guard, weights])
+    assert guard.incidents[0].action.startswith("rolled back")
+    assert_bit_identical(weights.at_begin, weights.after[0], "weights")
+
+
+# -------------------------------------- finding 8: steps_per_execution
+class _InfiniteLearningRate(keras.callbacks.Callback):
+    """Sets the learning rate to inf for the execution that begins at `batch`."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        lr = self.model.optimizer.learning_rate
+        if batch == self.batch:
+            self.saved = float(ops.convert_to_numpy(lr))
+            lr.assign(float("inf"))
+        elif hasattr(self, "saved"):
+            lr.assign(self.saved)
+            del self.saved
+
+
+spe = pytest.mark.skipif(
+    BACKEND == "torch", reason="Keras needs steps_per_execution=1 on torch"
+)
+
+
+@spe
+def test_steps_per_execution_replay_keeps_the_bad_batch_and_counts_steps():
+    x, y = _data(112)  # 7 batches of 16: groups (0, 1) (2, 3) (4, 5) (6)
+    y_bad = ng.faults.poison(y, rows=[40])  # batch 2, first of its group
+    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)), steps_per_execution=2)
+    guard = ng.NaNGuard(verbose=0, replay=(x, y_bad), batch_size=16, check_every=1)
+    _fit(model, x, [guard], y=y_bad, batch_size=16, epochs=2)
+    assert [(i.kind, i.epoch, i.step, i.batch) for i in guard.incidents] == [
+        ("rejected_step", 0, 2, 2),
+        ("rejected_step", 1, 9, 2),  # 7 steps in epoch 0, not 4 executions
+    ]
+    for inc in guard.incidents:
+        bx, by = inc.batch_data  # the batch with the NaN, not batch 3
+        np.testing.assert_array_equal(bx, x[32:48])
+        np.testing.assert_array_equal(by, y_bad[32:48])
+    assert guard.snapshot.step == 14
+
+
+@spe
+def test_steps_per_execution_unknown_bad_step_keeps_the_whole_group():
+    x, y = _data()
+    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)), steps_per_execution=2)
+    guard = ng.NaNGuard(verbose=0, replay=(x, y), batch_size=16, check_every=1)
+    _fit(model, x, [_InfiniteLearningRate(4), guard], y=y, batch_size=16)
+    (inc,) = guard.incidents
+    assert (inc.kind, inc.step, inc.batch, inc.steps) == ("rejected_step", 4, 4, 2)
+    assert "rejected 2 steps in steps 4-5" in inc.detail
+    bx, by = inc.batch_data  # both batches of the group
+    np.testing.assert_array_equal(bx, x[64:96])
+    np.testing.assert_array_equal(by, y[64:96])
+
+
+# -------------------------------------------- finding 10: snapshot on disk
+def test_disk_snapshot_is_the_final_state_when_fit_returns(tmp_path):
+    x, y = _data()
+    model = _model(keras.optimizers.Adam(0.01))
+    guard = ng.NaNGuard(verbose=0, directory=tmp_path)
+    _fit(model, x, [guard], y=y, batch_size=16)  # 8 clean steps
+    fresh = _model(keras.optimizers.Adam(0.01), seed=9)
+    assert ng.NaNGuard.restore(fresh, tmp_path) == 8
+    assert_bit_identical(numpy(model.weights), numpy(fresh.weights), "weights")
+    assert_bit_identical(
+        numpy(model.optimizer.variables), numpy(fresh.optimizer.variables), "opt"
+    )
+
+
+def test_disk_snapshot_carries_the_learning_rate_nan_guard_lowered(tmp_path):
+    x, y = _data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
+    model = _model(keras.optimizers.SGD(0.05))
+    guard = ng.NaNGuard(verbose=0, directory=tmp_path)
+    _fit(model, data, [guard])
+    assert guard.rollbacks == 1
+    lowered = np.float32(0.025)
+    assert _lr(model) == lowered
+    assert snapshots.load(tmp_path).learning_rate == float(lowered)
+    fresh = _model(keras.optimizers.SGD(0.05), seed=9)
+    assert ng.NaNGuard.restore(fresh, tmp_path) == 8
+    assert _lr(fresh) == lowered
+    assert_bit_identical(numpy(model.weights), numpy(fresh.weights), "weights")
+
+
+def test_restore_into_an_uncompiled_model_for_inference(tmp_path):
+    x, y = _data()
+    model = _model(keras.optimizers.Adam(0.01))
+    _fit(model, x, [ng.NaNGuard(verbose=0, directory=tmp_path)], y=y, batch_size=16)
+
+    infer = _model(None, seed=9, compile=False)
+    assert ng.NaNGuard.restore(infer, tmp_path) == 8
+    assert_bit_identical(numpy(model.weights), numpy(infer.weights), "weights")
+    np.testing.assert_array_equal(
+        infer.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
+
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    before = numpy(other.weights)
+    with pytest.raises(ValueError, match=r"different model.*Received: directory="):
+        ng.NaNGuard.restore(other, tmp_path)
+    assert_bit_identical(before, numpy(other.weights), "untouched")
+
+    unbuilt = keras.Sequential(_layers())
+    with pytest.raises(ValueError, match="not built"):
+        ng.NaNGuard.restore(unbuilt, tmp_path)
+
+
+# ------------------------------------------------------ finding 11: figures
+class _PoisonEpoch(keras.callbacks.Callback):
+    def __init__(self, data, epoch, batches):
+        super().__init__()
+        self.data, self.epoch, self.batches = data, epoch, batches
+
+    def on_epoch_begin(self, epoch, logs=None):
+        bad = self.batches if epoch == self.epoch else []
+        self.data.bad_batches = {b: float("nan") for b in bad}
+
+
+def test_epoch_with_no_healthy_batch_reports_no_train_figure(tmp_path, capsys):
+    x, y = _data(64)  # 4 batches
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, target="y")
+    path = tmp_path / "log.csv"
+    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
+    guard = ng.NaNGuard(verbose=0, max_rejections=100)
+    history = model.fit(
+        data,
+        epochs=3,
+        verbose=1,
+        shuffle=False,
+        callbacks=[
+            _PoisonEpoch(data, 1, range(4)),
+            guard,
+            keras.callbacks.CSVLogger(str(path)),
+        ],
+    )
+    assert history.epoch == [0, 1, 2]
+    assert [i.kind for i in guard.incidents] == ["rejected_step"]
+    assert guard.incidents[0].steps == 4
+    # No figure for epoch 1, as Keras has no val_loss on an epoch it did not
+    # validate: the key is left out, History's list skips it.
+    assert len(history.history["loss"]) == 2
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["nanguard_rejected_steps"] == [0, 4, 4]
+    rows = list(csv.DictReader(path.open()))
+    assert [r["loss"] for r in rows][1] == "NA"
+    assert all(np.isfinite(float(rows[i]["loss"])) for i in (0, 2))
+    assert not re.search(r"\bnan\b", capsys.readouterr().out, re.IGNORECASE)
+
+
+def _spiky_mae(y_true, y_pred):
+    """Mean absolute error, but inf on a batch holding a target of 10."""
+    mae = ops.mean(ops.abs(y_true - y_pred))
+    return ops.where(ops.max(y_true) > 5.0, float("inf"), mae)
+
+
+class _BatchFigures(keras.callbacks.Callback):
+    """Each batch's own figures, from Keras's running means."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.means, self.batches = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.means.append({k: float(v) for k, v in logs.items()})
+
+    def values(self, key):
+        m = [d[key] for d in self.means]
+        return [m[0]] + [(i + 1) * m[i] - i * m[i - 1] for i in range(1, len(m))]
+
+
+def test_nonfinite_metric_has_its_own_kind_and_keeps_the_finite_loss():
+    x, y = _data()
+    y = y.copy()
+    y[50] = 10.0  # batch 3: the metric is inf there, the loss is finite
+
+    def run(callbacks, metric):
+        model = _model(None, compile=False)
+        model.compile(keras.optimizers.SGD(0.05), loss=LOSS, metrics=[metric])
+        return model, _fit(model, x, callbacks, y=y, batch_size=16, epochs=2)
+
+    def mae(y_true, y_pred):
+        return ops.mean(ops.abs(y_true - y_pred))
+
+    mae.__name__ = "_spiky_mae"  # the same log key as the guarded run
+    figures = _BatchFigures()
+    ref_model, reference = run([figures], mae)
+    guard = ng.NaNGuard(verbose=0)
+    model, history = run([guard], _spiky_mae)
+
+    assert [(i.kind, i.epoch, i.step, i.batch) for i in guard.incidents] == [
+        ("nonfinite_metric", 0, 3, 3),
+        ("nonfinite_metric", 1, 11, 3),
+    ]
+    assert "_spiky_mae=inf" in guard.incidents[0].detail
+    assert guard.rollbacks == 0
+    assert_bit_identical(numpy(ref_model.weights), numpy(model.weights), "weights")
+    # The finite loss keeps batch 3; only the metric leaves it out.
+    np.testing.assert_allclose(
+        history.history["loss"], reference.history["loss"], rtol=1e-6
+    )
+    per_batch = figures.values("_spiky_mae")  # epoch 1's, batch by batch
+    expected = np.mean([v for i, v in enumerate(per_batch) if i != 3])
+    np.testing.assert_allclose(history.history["_spiky_mae"][1], expected, rtol=1e-5)
