@@ -99,5 +99,5 @@ def build_for(model: keras.Model, data: Any) -> None:
         lambda t: keras.KerasTensor(t.shape, keras.backend.standardize_dtype(t.dtype)),
         x,
     )
-    model.compute_output_spec(spec, training=False)
+    model.compute_output_spec(spec)
     model.built = True
