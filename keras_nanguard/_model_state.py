@@ -65,6 +65,7 @@ def keep_unless(accepted: Any, state: list[Any], before: list[Any]) -> None:
     if keras.backend.backend() == "torch":
         import torch
 
+        accepted = torch.as_tensor(accepted)
         with torch.no_grad():
             for t, old in zip(state, before, strict=True):
                 t = t.value if isinstance(t, keras.Variable) else t

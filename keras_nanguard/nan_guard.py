@@ -306,7 +306,7 @@ class NaNGuard(keras.callbacks.Callback):
             return
 
         bad_logs = sorted(k for k, v in logs.items() if nonfinite(v))
-        new_rejections, since = self._check_counters(force=bool(bad_logs))
+        new_rejections, since = self._check_counters(bool(bad_logs), logs)
         if bad_logs:  # this batch's figures are bad: it is left out of them
             snapshots.sync_from_device(self.model)
             bad_loss = any(is_loss(k) for k in bad_logs)
@@ -317,7 +317,12 @@ class NaNGuard(keras.callbacks.Callback):
             # A non-finite metric with a finite loss: only the metric is left out.
             self._leave_out(logs, None if bad_loss else bad_logs)
         elif new_rejections:  # rejected with finite figures, e.g. an overflow
-            self._keep_in(logs)
+            if "nanguard_rejected_steps" in logs:
+                # An attached step left its batch out of Keras's metrics on
+                # the device; an epoch with no accepted batch reports none.
+                self._leave_out(logs)
+            else:
+                self._keep_in(logs)
             self._on_rejection(batch, logs, [], new_rejections, since)
         else:
             self._open = None
@@ -401,9 +406,16 @@ class NaNGuard(keras.callbacks.Callback):
             self._keep(snap)
 
     # -------------------------------------------------------------- signals
-    def _check_counters(self, force: bool) -> tuple[int, int]:
+    def _check_counters(self, force: bool, logs: dict | None = None) -> tuple[int, int]:
         """New rejections since the last read, and the first step they may
-        belong to. Reads only when due (or forced), see `check_every`."""
+        belong to. A step of an attached SafeOptimizer logs its total, which
+        is exact and costs no read; otherwise the counters are read only when
+        due (or forced), see `check_every`."""
+        if logs is not None and "nanguard_rejected_steps" in logs:
+            rejected = int(logs["nanguard_rejected_steps"])
+            new, since = rejected - self._rejected_seen, self._checked_at + 1
+            self._rejected_seen, self._checked_at = rejected, self._step - 1
+            return new, since
         due = self._checks.due(self._step_seconds, self._batch_steps)
         if self._safe is None or not (force or due):
             return 0, self._batch_step
@@ -655,8 +667,8 @@ class NaNGuard(keras.callbacks.Callback):
     def _publish(self, logs: dict) -> None:
         logs["nanguard_incidents"] = len(self.incidents)
         logs["nanguard_rollbacks"] = self.rollbacks
-        if self._safe is not None:
-            logs["nanguard_rejected_steps"] = self._rejected_seen
+        if self._safe is not None:  # an attached step logs its own, exactly
+            logs.setdefault("nanguard_rejected_steps", self._rejected_seen)
 
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:

@@ -31,7 +31,11 @@ _COUNTERS = (
     ("last_nonfinite_index", "int32", -1),
     ("lr_scale", "float32", 1.0),
     ("consecutive_accepts", "int32", 0),
+    ("accepted_grad_norm", "float32", 0.0),
 )
+# keras-nanguard 0.1 saved these counters, after two variables of the base
+# class that are no longer state.
+_COUNTERS_0_1 = 11
 # Counters that are history (NaNGuard keeps them through a rollback); the
 # others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
 _HISTORY = (
@@ -125,6 +129,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
       its position in the model's trainable variables followed by the inner
       optimizer's variables).
     - `lr_scale`: the current learning-rate back-off factor (1 without it).
+    - `accepted_grad_norm`: global norm of the raw gradients of the last
+      accepted step.
 
     Everything else of `keras.optimizers.Optimizer` is the inner optimizer's,
     read and set through the wrapper: `learning_rate` (and schedules),
@@ -300,10 +306,16 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             variable.assign(weight)
 
     def load_own_variables(self, store: Any) -> None:
-        # Files from keras-nanguard 0.1 also hold the two variables of the
-        # base class that are no longer state (`iteration`, `learning_rate`).
-        if len(store.keys()) == len(self.variables) + 2:
-            store = {str(i): store[str(i + 2)] for i in range(len(self.variables))}
+        n_inner = len(self.inner_optimizer.variables)
+        if len(store.keys()) == 2 + _COUNTERS_0_1 + n_inner:
+            # A file from keras-nanguard 0.1: two dead variables of the base
+            # class, its counters, then the inner optimizer's; counters added
+            # since keep their initial values.
+            old = [store[str(i)] for i in range(2, len(store.keys()))]
+            values = [v.numpy() for v in self._variables]
+            values[:_COUNTERS_0_1] = old[:_COUNTERS_0_1]
+            values += old[_COUNTERS_0_1:]
+            store = {str(i): v for i, v in enumerate(values)}
         super().load_own_variables(store)
 
     def exclude_from_weight_decay(
@@ -568,6 +580,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 self.clipped_steps.value + i32(ops.logical_and(ok, clipped))
             )
         self.last_grad_norm.assign(norm)
+        self.accepted_grad_norm.assign(
+            ops.where(ok, norm, self.accepted_grad_norm.value)
+        )
         self.rejected_grad_norm.assign(
             ops.where(ok, self.rejected_grad_norm.value, norm)
         )
@@ -637,16 +652,24 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 logs, new_state = original(state, data)
                 trainable, non_trainable, optimizer_values, metrics = new_state
                 self._check_is_optimizer_of(model)
-                accepted = self._accepted(optimizer_values, model.optimizer.variables)
+                variables = model.optimizer.variables
+                accepted = self._accepted(optimizer_values, variables)
                 non_trainable = model_state.select(accepted, state[1], non_trainable)
+                metrics = model_state.select(accepted, state[3], metrics)
+                mapping = list(zip(model.metrics_variables, metrics, strict=True))
+                mapping += list(zip(variables, optimizer_values, strict=True))
+                with keras.StatelessScope(state_mapping=mapping):
+                    logs = self._step_logs(model, logs)
                 return logs, (trainable, non_trainable, optimizer_values, metrics)
 
         else:
 
             def train_step(data: Any) -> Any:
                 model_state.build_for(model, data)
-                with self.transaction(model):
-                    return original(data)
+                state = model_state.forward_state(model) + model.metrics_variables
+                with self._guard(model, state):
+                    logs = original(data)
+                return self._step_logs(model, logs)
 
         train_step._nanguard_optimizer = self  # type: ignore[attr-defined]
         train_step._nanguard_original = original  # type: ignore[attr-defined]
@@ -654,8 +677,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)  # made before: remake it
 
-    @contextlib.contextmanager
-    def transaction(self, model: keras.Model) -> Iterator[None]:
+    def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
         """A custom training step as a whole-model transaction (TensorFlow,
         torch; eager or inside `tf.function`).
 
@@ -688,8 +710,11 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"first), to know its state. Received: model={model.name!r}, "
                 "not built"
             )
+        return self._guard(model, model_state.forward_state(model))
+
+    @contextlib.contextmanager
+    def _guard(self, model: keras.Model, state: list[Any]) -> Iterator[None]:
         self._check_is_optimizer_of(model)
-        state = model_state.forward_state(model)
         before = model_state.read(state)
         steps = self._plans.steps
         try:
@@ -738,6 +763,20 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         """
         accepted = self._accepted(list(optimizer_variables), self.variables)
         return model_state.select(accepted, list(before), list(after))
+
+    def _step_logs(self, model: keras.Model, logs: Any) -> Any:
+        """A `fit` step's logs after the transaction: the metrics as they are
+        (a rejected step left them out), and training health figures."""
+        if not isinstance(logs, dict):
+            return logs  # a custom train_step's own structure
+        logs = dict(logs)
+        fresh = model.get_metrics_result()
+        logs.update({k: v for k, v in fresh.items() if k in logs})
+        logs["nanguard_grad_norm"] = self.accepted_grad_norm.value
+        logs["nanguard_rejected_steps"] = self.skipped_steps.value
+        if self.lr_backoff is not None:
+            logs["nanguard_lr_scale"] = self.lr_scale.value
+        return logs
 
     def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:
         """Whether the step that produced `values` (of `variables`) was

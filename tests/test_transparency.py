@@ -214,14 +214,20 @@ def test_own_variables_from_version_0_1_load():
     safe.apply(
         ng.faults.corrupt_gradients(_grads(m2, 1), "nan", 0), m2.trainable_variables
     )
-    values = [np.array(0, "int64"), np.array(0.0, "float32"), *numpy(safe.variables)]
-    store = {str(i): v for i, v in enumerate(values)}
+    safe.apply(_grads(m2, 2), m2.trainable_variables)  # moments move
+    # Its layout: two dead variables, its 11 counters, the inner optimizer's.
+    dead = [np.array(0, "int64"), np.array(0.0, "float32")]
+    counters = numpy(safe.variables)[:11]
+    inner = numpy(safe.inner_optimizer.variables)
+    store = {str(i): v for i, v in enumerate(dead + counters + inner)}
     clone = ng.SafeOptimizer(make())
     clone.build(m2.trainable_variables)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "Skipping variable loading"
+        warnings.simplefilter("error", UserWarning)  # no "Skipping ... loading"
         clone.load_own_variables(store)
     assert clone.counters()["skipped_steps"] == 1
+    assert clone.counters()["accepted_grad_norm"] == 0.0  # new since 0.1
+    assert_bit_identical(inner, numpy(clone.inner_optimizer.variables))
 
 
 def test_the_inner_optimizer_is_not_changed_for_good():
