@@ -185,13 +185,13 @@ def main() -> None:
         if BACKEND == "jax" and name == "rmsprop":
             keras.utils.clear_session()
             value = jax_reference_bytes(_model(args.width)) / n_params
-            rows.append((name, "hand-written jnp", value, value / rows[-2][2], "-"))
+            rows.append((name, "hand-written jnp", value, value / base, "-"))
     print(
         "| optimizer | configuration | bytes/param | ratio to global_clipnorm | host reads |"
     )
     print("|---|---|---|---|---|")
     for name, config, value, ratio, reads in rows:
-        print(f"| {name} | {config} | {value:.1f} | {ratio:.2f} | {reads} |")
+        print(f"| {name} | {config} | {value:.2f} | {ratio:.3f} | {reads} |")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ import numpy as np
 from keras import ops
 
 from keras_nanguard import _model_state as model_state
+from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
 from keras_nanguard import numerics
 from keras_nanguard._validation import check_in, check_int, check_positive
 from keras_nanguard.errors import NonFiniteError
 
-_REASONS = {0: "none", 1: "gradient", 2: "update"}
+_REASONS = {0: "none", 1: "gradient", 2: "update", 3: "spike"}
 _COUNTERS = (
     ("skipped_steps", "int32", 0),
     ("consecutive_skips", "int32", 0),
@@ -32,6 +33,7 @@ _COUNTERS = (
     ("lr_scale", "float32", 1.0),
     ("consecutive_accepts", "int32", 0),
     ("accepted_grad_norm", "float32", 0.0),
+    ("spike_steps", "int32", 0),
 )
 # keras-nanguard 0.1 saved these counters, after two variables of the base
 # class that are no longer state.
@@ -40,6 +42,7 @@ _COUNTERS_0_1 = 11
 # others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
 _HISTORY = (
     "skipped_steps",
+    "spike_steps",
     "nonfinite_gradient_steps",
     "nonfinite_update_steps",
     "clipped_steps",
@@ -124,13 +127,14 @@ class SafeOptimizer(keras.optimizers.Optimizer):
       (NaN or inf when they were not finite).
     - `rejected_grad_norm`: the same for the last rejected step.
     - `last_rejection`: why the last rejected step was rejected
-      (0 never, 1 gradient, 2 update); `describe_last_rejection()` says it in
+      (0 never, 1 gradient, 2 update, 3 spike); `describe_last_rejection()` says it in
       words, naming the first variable involved (`last_nonfinite_index` is
       its position in the model's trainable variables followed by the inner
       optimizer's variables).
     - `lr_scale`: the current learning-rate back-off factor (1 without it).
     - `accepted_grad_norm`: global norm of the raw gradients of the last
       accepted step.
+    - `spike_steps`: rejected as gradient spikes (with `spike_sigma`).
 
     Everything else of `keras.optimizers.Optimizer` is the inner optimizer's,
     read and set through the wrapper: `learning_rate` (and schedules),
@@ -166,6 +170,14 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             In compiled `model.fit` steps, a `NaNGuard` treats the halt as
             trouble and follows its policy (its rollback resets the streak);
             without one, `fit` warns when it ends. Defaults to `None`.
+        spike_sigma: float > 0 or `None`. If set, a step whose raw global
+            gradient norm is more than `spike_sigma` standard deviations above
+            the mean of the last `spike_window` accepted steps is rejected
+            like a non-finite one (counted in `spike_steps`), as OLMo-core's
+            `SkipStepOptimizer` does; inactive until the window has filled.
+            Defaults to `None`.
+        spike_window: int >= 2. Accepted steps in the spike statistics.
+            Defaults to 128.
         name: the optimizer's name. Defaults to an automatic name.
 
     Example:
@@ -203,6 +215,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         lr_recovery_steps: int = 100,
         min_lr_scale: float = 1e-3,
         max_consecutive_skips: int | None = None,
+        spike_sigma: float | None = None,
+        spike_window: int = 128,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -234,6 +248,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             "max_consecutive_skips", max_consecutive_skips, 1, allow_none=True
         )
 
+        spike_sigma = check_positive("spike_sigma", spike_sigma, allow_none=True)
+        spike_window = check_int("spike_window", spike_window, 2)
+
         super().__init__(learning_rate=0.0, name=name)
         # The base class made an `iteration` and a `learning_rate` variable;
         # the wrapper uses the inner optimizer's, so they are not state.
@@ -244,6 +261,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self.lr_recovery_steps = lr_recovery_steps
         self.min_lr_scale = min_lr_scale
         self.max_consecutive_skips = max_consecutive_skips
+        self.spike_sigma = spike_sigma
+        self.spike_window = spike_window
         self._plans = _Plans()
         for counter, dtype, initial in _COUNTERS:
             var = self.add_variable(
@@ -254,6 +273,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 name=counter,
             )
             setattr(self, counter, var)
+        if spike_sigma is not None:
+            self.spike_norms, self.spike_count = spikes.make_window(self, spike_window)
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -527,6 +548,12 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         new_finite = numerics.finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
+        spike = None
+        if self.spike_sigma is not None:
+            spike = spikes.is_spike(
+                norm, self.spike_norms.value, self.spike_count.value, self.spike_sigma
+            )
+            ok = ops.logical_and(ok, ~spike)
         if self.max_consecutive_skips is not None:  # halted: reject everything
             ok = ops.logical_and(
                 ok, self.consecutive_skips.value < self.max_consecutive_skips
@@ -544,6 +571,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             clipped=clipped,
             norm=norm,
             bad_index=bad_index,
+            spike=spike,
         )
 
     @contextlib.contextmanager
@@ -560,7 +588,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         finally:
             inner.global_clipnorm = saved
 
-    def _count(self, *, ok, grads_ok, update_ok, clipped, norm, bad_index) -> None:
+    def _count(
+        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike
+    ) -> None:
         i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
         bad_grad = ~grads_ok
         bad_update = ops.logical_and(grads_ok, ~update_ok)
@@ -587,6 +617,11 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             ops.where(ok, self.rejected_grad_norm.value, norm)
         )
         reason = ops.where(bad_grad, 1, ops.where(bad_update, 2, 0))
+        if spike is not None:
+            spike = ops.logical_and(spike, reason == 0)
+            reason = ops.where(spike, 3, reason)
+            self.spike_steps.assign(self.spike_steps.value + i32(spike))
+            spikes.record(ok, norm, self.spike_norms, self.spike_count)
         failed = reason > 0
         self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))
         self.last_nonfinite_index.assign(
@@ -776,6 +811,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         logs["nanguard_rejected_steps"] = self.skipped_steps.value
         if self.lr_backoff is not None:
             logs["nanguard_lr_scale"] = self.lr_scale.value
+        if self.spike_sigma is not None:
+            logs["nanguard_spike_steps"] = self.spike_steps.value
         return logs
 
     def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:
@@ -858,6 +895,18 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         index = int(c["last_nonfinite_index"])
         where = names[index] if 0 <= index < len(names) else f"variable #{index}"
         norm = c["rejected_grad_norm"]
+        if reason == "spike":
+            norms = self.spike_norms.value
+            if optimizer_variables is not None:  # the window follows the counters
+                norms = list(optimizer_variables)[len(_COUNTERS)]
+            mean, std = (
+                float(ops.convert_to_numpy(v)) for v in spikes.statistics(norms)
+            )
+            return (
+                f"the global gradient norm {norm:.4g} was a spike, more than "
+                f"{self.spike_sigma:g} standard deviations above the mean of the "
+                f"last {self.spike_window} accepted steps ({mean:.4g} +- {std:.4g})"
+            )
         if reason == "gradient":
             return (
                 f"the gradient of {where} was not finite "
@@ -918,6 +967,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             "lr_recovery_steps": self.lr_recovery_steps,
             "min_lr_scale": self.min_lr_scale,
             "max_consecutive_skips": self.max_consecutive_skips,
+            "spike_sigma": self.spike_sigma,
+            "spike_window": self.spike_window,
         }
 
     @classmethod

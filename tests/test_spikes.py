@@ -1,0 +1,135 @@
+"""Gradient-spike skipping in SafeOptimizer (`spike_sigma`), on every backend."""
+
+import keras
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+import keras_nanguard as ng
+from tests.helpers import assert_bit_identical, numpy
+
+SPIKE_BATCH = 30  # after a window of 16 accepted steps has filled
+
+
+def _data(drop_spike: bool = False):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8 * 40, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    lo, hi = 8 * SPIKE_BATCH, 8 * (SPIKE_BATCH + 1)
+    y[lo:hi] *= 1e3  # finite targets, a gradient spike
+    if drop_spike:
+        x, y = np.delete(x, np.s_[lo:hi], 0), np.delete(y, np.s_[lo:hi], 0)
+    return x, y
+
+
+def _fit(spike_sigma, drop_spike=False):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    opt = ng.SafeOptimizer(
+        keras.optimizers.SGD(1e-2), spike_sigma=spike_sigma, spike_window=16
+    )
+    model.compile(optimizer=opt, loss="mse")
+    opt.attach(model)  # logs nanguard_spike_steps
+    x, y = _data(drop_spike)
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    return model, opt, history
+
+
+def test_a_gradient_spike_is_rejected_like_a_bad_step():
+    model, opt, history = _fit(6.0)
+    c = opt.counters()
+    assert (c["spike_steps"], c["skipped_steps"], c["last_rejection"]) == (1, 1, 3)
+    assert c["nonfinite_gradient_steps"] == c["nonfinite_update_steps"] == 0
+    assert int(opt.iterations) == 39
+    assert c["rejected_grad_norm"] > 1000
+    assert "was a spike, more than 6 standard deviations" in (
+        opt.describe_last_rejection()
+    )
+    assert history.history["nanguard_spike_steps"] == [1]
+    reference, ref_opt, _ = _fit(6.0, drop_spike=True)
+    assert ref_opt.counters()["spike_steps"] == 0
+    assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
+    assert_bit_identical(
+        numpy(ref_opt.inner_optimizer.variables), numpy(opt.inner_optimizer.variables)
+    )
+    # The window saw the same accepted norms in both runs.
+    assert_bit_identical(numpy([ref_opt.spike_norms]), numpy([opt.spike_norms]))
+    assert int(opt.spike_count) == int(ref_opt.spike_count) == 39
+
+
+def test_without_spike_sigma_the_spike_is_applied():
+    _, opt, _ = _fit(None)
+    assert opt.counters()["skipped_steps"] == 0
+    assert int(opt.iterations) == 40
+    assert not hasattr(opt, "spike_norms")
+
+
+def test_the_window_must_fill_before_it_judges():
+    # A window of 64 never fills in 40 steps: nothing is a spike yet.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(1e-2), spike_sigma=6, spike_window=64)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert opt.counters()["spike_steps"] == 0 and int(opt.spike_count) == 40
+
+
+def test_no_false_alarm_in_1000_clean_digits_steps():
+    # The digits model of tests/test_scenarios.py: 1280 samples, 40 full
+    # batches of 32 an epoch, 25 epochs. (A tiny last batch of an epoch, 5
+    # samples, has a much noisier gradient: 4 steps in 1000 went past 6
+    # sigma that way on JAX.)
+    d = load_digits()
+    order = np.random.default_rng(0).permutation(len(d.data))[:1280]
+    x = (d.data[order] / 16.0).astype("float32")
+    y = d.target[order].astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3), spike_sigma=6.0)
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, batch_size=32, epochs=25, verbose=0)
+    assert int(opt.iterations) == 1000
+    assert opt.counters()["spike_steps"] == 0
+    assert opt.counters()["skipped_steps"] == 0
+
+
+def test_the_window_round_trips_through_a_keras_file(tmp_path):
+    model, opt, _ = _fit(6.0)
+    path = str(tmp_path / "spiky.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path).optimizer
+    assert (loaded.spike_sigma, loaded.spike_window) == (6.0, 16)
+    assert_bit_identical(numpy([opt.spike_norms]), numpy([loaded.spike_norms]))
+    assert int(loaded.spike_count) == 39
+    assert loaded.counters()["spike_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"spike_sigma": 0}, ValueError, r"spike_sigma=0"),
+        ({"spike_sigma": "6"}, TypeError, r"spike_sigma='6'"),
+        ({"spike_window": 1}, ValueError, r"spike_window=1"),
+        ({"spike_window": 2.5}, TypeError, r"spike_window=2.5"),
+    ],
+)
+def test_bad_spike_arguments_get_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ng.SafeOptimizer(keras.optimizers.SGD(0.1), **kwargs)
