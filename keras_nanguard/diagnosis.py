@@ -222,6 +222,13 @@ def diagnose(
     if not model.built:
         model(x, training=False)  # build it, without touching any state
     leaves = probes.leaf_layers(model)
+    if isinstance(optimizer, str):  # a name, as `compile` accepts
+        optimizer = keras.optimizers.get(optimizer)
+    if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a Keras optimizer, its name, or None. "
+            f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}"
+        )
     optimizer_vars = list(optimizer.variables) if optimizer is not None else []
     saved = [
         np.array(snapshots.host_view(v), copy=True)

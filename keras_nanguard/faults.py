@@ -99,14 +99,25 @@ def poison(
     if out.ndim == 0:
         raise ValueError(f"`x` must have a sample axis. Received: x.shape={out.shape}")
     flat = out.reshape(out.shape[0], -1)
-    rows_ = [rows] if isinstance(rows, int) else list(rows)
+    rows_ = _indices("rows", rows, flat.shape[0])
     bad = _fault_value(value)
     if columns is None:
         flat[rows_] = bad
     else:
-        cols = [columns] if isinstance(columns, int) else list(columns)
+        cols = _indices("columns", columns, flat.shape[1])
         flat[np.ix_(rows_, cols)] = bad
     return flat.reshape(out.shape)
+
+
+def _indices(name: str, value: Sequence[int] | int, size: int) -> list[int]:
+    values = [value] if isinstance(value, int | np.integer) else list(value)
+    bad = [v for v in values if not -size <= int(v) < size]
+    if bad:
+        raise ValueError(
+            f"`{name}` must index the {size} entries there are (from {-size} to "
+            f"{size - 1}). Received: {name}={value!r}"
+        )
+    return [int(v) for v in values]
 
 
 class PoisonedBatches(keras.utils.PyDataset):

@@ -15,7 +15,7 @@ from keras import ops
 from keras_nanguard import _model_state as model_state
 from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
-from keras_nanguard import numerics
+from keras_nanguard import ops as ng_ops
 from keras_nanguard._validation import check_in, check_int, check_positive
 from keras_nanguard.errors import NonFiniteError
 
@@ -510,7 +510,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         """
         inner = self.inner_optimizer
         plan = self._plan(grads, variables)
-        norm, grad_finite = numerics.norm_and_finite([grads[i] for i in plan.checked])
+        norm, grad_finite = ng_ops._norm_and_finite([grads[i] for i in plan.checked])
         grads_ok = ops.all(grad_finite)
         # With gradient accumulation the applied gradient is the accumulated
         # one, which the inner optimizer clips itself (see `_inner_settings`).
@@ -545,7 +545,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 update(clip)
                 lr_var.assign(base_lr)
 
-        new_finite = numerics.finite_flags([plan.state[j] for j in plan.floats])
+        new_finite = ng_ops._finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
         spike = None

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_nanguard import numerics
+from keras_nanguard import ops as ng_ops
 from keras_nanguard._validation import is_int, is_number
 
 _NAN_LOGITS = ("propagate", "mask")
@@ -24,8 +24,9 @@ class StableSoftmax(keras.layers.Layer):
 
     - `+inf` logits share the probability of their row; `-inf` logits get 0;
     - masked entries (Keras masking or the `mask` argument) get exactly 0, and
-      a fully masked row (or a row of `-inf`) gives all zeros, not NaN (Keras's
-      `Softmax` gives such a row uniform probabilities);
+      a fully masked row (or a row of `-inf`) gives all zeros (Keras's
+      `Softmax` zeroes masked entries too, but gives NaN for a row of `-inf`
+      logits and for `+inf` logits);
     - `soft_cap` bounds logits smoothly, :math:`C \tanh(x / C)` (Gemma 2), so
       huge and infinite logits have a finite value and a finite gradient;
       `hard_cap` clips them instead;
@@ -123,6 +124,10 @@ class StableSoftmax(keras.layers.Layer):
         self.hard_cap = None if hard_cap is None else float(hard_cap)
         self.temperature = float(temperature)
         self.min_prob = float(min_prob)
+        if not isinstance(log_probs, bool | np.bool_):
+            raise TypeError(
+                f"`log_probs` must be True or False. Received: log_probs={log_probs!r}"
+            )
         self.log_probs = bool(log_probs)
         self.nan_logits = nan_logits
         self.supports_masking = True
@@ -157,6 +162,7 @@ class StableSoftmax(keras.layers.Layer):
             x = ops.clip(x, -self.hard_cap, self.hard_cap)
         allowed = None
         if mask is not None:
+            _check_mask(mask, x)
             allowed = (
                 ops.cast(mask, "bool")
                 if keras.backend.standardize_dtype(mask.dtype) == "bool"
@@ -168,7 +174,7 @@ class StableSoftmax(keras.layers.Layer):
             allowed = finite_or_inf if allowed is None else allowed & finite_or_inf
         if allowed is not None:
             x = ops.where(allowed, x, -np.inf)
-        out = numerics._softmax_parts(x, axis, log=self.log_probs)
+        out = ng_ops._softmax_parts(x, axis, log=self.log_probs)
         if self.min_prob > 0:
             out = self._floor(out, x, axis)
         if self.log_probs:
@@ -211,3 +217,18 @@ class StableSoftmax(keras.layers.Layer):
             }
         )
         return config
+
+
+def _check_mask(mask: Any, x: Any) -> None:
+    # The same rule and words as keras.layers.Softmax.
+    m_shape, x_shape = tuple(mask.shape), tuple(x.shape)
+    ok = len(m_shape) <= len(x_shape) and all(
+        m in (1, None) or i is None or m == i
+        for m, i in zip(m_shape[::-1], x_shape[::-1], strict=False)
+    )
+    if not ok:
+        raise ValueError(
+            "The `mask` must be broadcastable to `inputs`: each mask dimension "
+            "must be 1 or match the corresponding input dimension. Received: "
+            f"inputs.shape={x_shape}, mask.shape={m_shape}"
+        )

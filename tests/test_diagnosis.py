@@ -368,3 +368,10 @@ def test_a_rejected_step_does_not_make_a_healthy_model_look_broken():
     report = ng.diagnose(model, x, y, optimizer=opt)
     assert report.healthy, str(report)
     assert report.causes == []
+
+
+def test_optimizer_by_name_or_a_clear_error():
+    x, y = _xy()
+    assert ng.diagnose(_mlp(), x, y, loss="mse", optimizer="adam").healthy
+    with pytest.raises(TypeError, match=r"`optimizer` must be.*Received: optimizer=3"):
+        ng.diagnose(_mlp(), x, y, loss="mse", optimizer=3)

@@ -231,3 +231,14 @@ def test_trains_inside_a_model_with_extreme_logits():
     history = model.fit(x, y, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert model.optimizer.counters()["skipped_steps"] == 0
+
+
+def test_log_probs_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"`log_probs` must be True or False.*'no'"):
+        ng.StableSoftmax(log_probs="no")
+
+
+def test_a_mask_of_the_wrong_shape_gets_a_clear_error():
+    logits = np.zeros((2, 3), "float32")
+    with pytest.raises(ValueError, match=r"mask.*broadcastable.*mask.shape=\(2, 4\)"):
+        ng.StableSoftmax()(logits, mask=np.ones((2, 4), bool))

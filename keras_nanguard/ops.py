@@ -2,7 +2,12 @@
 
 Every function here is pure, works on the TensorFlow, JAX and PyTorch
 backends, runs inside compiled functions (`tf.function`, XLA, `jax.jit`) and
-never reads a value back to the host.
+never reads a value back to the host (on TensorFlow, `stable_log_softmax`
+branches inside the graph to use the fused kernel when every row is finite).
+
+Import them as `from keras_nanguard.ops import safe_log, global_norm` or use
+`keras_nanguard.ops.safe_log`. Names starting with `_` are SafeOptimizer's
+building blocks, not API.
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def _raw(x: Tensor) -> Tensor:
     return x if ops.is_tensor(x) else ops.convert_to_tensor(x)
 
 
-def norm_and_finite(tensors: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
+def _norm_and_finite(tensors: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
     """Global L2 norm of `tensors` and per-tensor finiteness, in one pass.
 
     No branch and no host read: the float32 sum of squares, and beside it
@@ -144,11 +149,11 @@ def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
     >>> f"{float(ng.ops.global_norm([ops.array([3e30, 4e30])])):.3g}"  # no overflow
     '5e+30'
     """
-    norm, _ = norm_and_finite(tensors)
+    norm, _ = _norm_and_finite(tensors)
     return norm
 
 
-def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+def _finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     """One bool per tensor: `True` where every entry of it is finite.
 
     One read per tensor, no branch, no host read, exact: the largest
@@ -200,7 +205,7 @@ def all_finite(tensors: Sequence[Tensor | None] | Tensor) -> Tensor:
     floats = [v for v in _present(tensors) if _is_float(v)]
     if not floats:
         return ops.convert_to_tensor(True)
-    return ops.all(finite_flags(floats))
+    return ops.all(_finite_flags(floats))
 
 
 def _is_float(x: Tensor) -> bool:
