@@ -5,7 +5,8 @@ Times, interleaved in one process, the steady-state `model.fit` step of
 - the inner optimizer alone (RMSprop);
 - the inner optimizer with `global_clipnorm`;
 - `LossScaleOptimizer(inner)`;
-- `SafeOptimizer(inner, clipnorm=...)` (the full transaction),
+- `SafeOptimizer(inner, clipnorm=...)` (the full transaction);
+- with `--spike`, the same with `spike_sigma=6` (`safe_spike`),
 
 on the MLP 784-256-256-10 (batch 128) and on the conv actor from the user's
 report (288x512x3 input, Conv2D 16/32/64 3x3 ReLU + 2x2 max-pooling, Dense 64,
@@ -38,7 +39,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 from _stats import ratio_summary  # this folder is on sys.path
 
-CONFIGS = ("inner", "global_clipnorm", "loss_scale", "safe")
+CONFIGS = ["inner", "global_clipnorm", "loss_scale", "safe"]
 MODELS = {
     "mlp": {"batch": 128, "steps": 300},
     "conv_actor": {"batch": 8, "steps": 12},
@@ -98,6 +99,10 @@ def make_optimizer(config: str):
         return keras.optimizers.LossScaleOptimizer(keras.optimizers.RMSprop(1e-3))
     if config == "safe":
         return ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=1.0)
+    if config == "safe_spike":
+        return ng.SafeOptimizer(
+            keras.optimizers.RMSprop(1e-3), clipnorm=1.0, spike_sigma=6.0
+        )
     raise ValueError(config)
 
 
@@ -292,8 +297,15 @@ def main() -> int:
         action="store_true",
         help="TensorFlow: train under MirroredStrategy on 2 logical CPUs",
     )
+    parser.add_argument(
+        "--spike",
+        action="store_true",
+        help="also time SafeOptimizer with spike_sigma=6 (safe_spike)",
+    )
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.spike:
+        CONFIGS.append("safe_spike")
     if args.mirrored:
         os.environ["NANGUARD_BENCH_MIRRORED"] = "1"  # children inherit it
     _configure_devices()

@@ -8,11 +8,13 @@ must leave that state as it was too. Here are the pieces SafeOptimizer's
 `attach`, `transaction` and `stateless_commit` are made of: which state, and
 a select that keeps the old values unless the step was accepted (one pass
 over this state, which is small next to the weights; no branch, no host
-read).
+read), and `ModelStateMixin`, the public calls themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -102,3 +104,206 @@ def build_for(model: keras.Model, data: Any) -> None:
     )
     model.compute_output_spec(spec)
     model.built = True
+
+
+class ModelStateMixin:
+    """`SafeOptimizer`'s whole-model transaction: the public calls that tie
+    the optimizer to the model it trains."""
+
+    def attach(self, model: keras.Model) -> None:
+        """Ties this optimizer to `model`, so that in `model.fit`,
+        `train_on_batch` and the like a rejected step also leaves the state
+        the forward pass writes bit-identical: BatchNormalization statistics,
+        every non-trainable variable, seed-generator state, and on torch the
+        buffers of modules inside `keras.layers.TorchModuleWrapper`.
+
+        Keras does not tell an optimizer which model it trains; this call
+        does, by wrapping the model's `train_step` (its public override
+        point) in a transaction. Call it once, before or after `compile`;
+        `NaNGuard` calls it for you. The model must be compiled with this
+        optimizer (or a `LossScaleOptimizer` around it) when it trains.
+
+        Args:
+            model: the `keras.Model` this optimizer trains.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> opt.attach(model)
+        >>> x = np.array([[np.nan, 1.0]] * 4, "float32")
+        >>> _ = model.fit(x, np.ones((4, 1)), verbose=0)
+        >>> model.layers[0].moving_mean.numpy().tolist()   # untouched
+        [0.0, 0.0]
+        """
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "`model` must be a `keras.Model`. "
+                f"Received: model={model!r} of type {type(model).__name__}"
+            )
+        self._check_is_optimizer_of(model)
+        step = model.train_step
+        if getattr(step, "_nanguard_optimizer", None) is self:
+            return
+        original = getattr(step, "_nanguard_original", step)
+
+        if keras.backend.backend() == "jax":
+
+            def train_step(state: Any, data: Any) -> Any:
+                logs, new_state = original(state, data)
+                trainable, non_trainable, optimizer_values, metrics = new_state
+                self._check_is_optimizer_of(model)
+                variables = model.optimizer.variables
+                accepted = self._accepted(optimizer_values, variables)
+                non_trainable = select(accepted, state[1], non_trainable)
+                metrics = select(accepted, state[3], metrics)
+                mapping = list(zip(model.metrics_variables, metrics, strict=True))
+                mapping += list(zip(variables, optimizer_values, strict=True))
+                with keras.StatelessScope(state_mapping=mapping):
+                    logs = self._step_logs(model, logs)
+                return logs, (trainable, non_trainable, optimizer_values, metrics)
+
+        else:
+
+            def train_step(data: Any) -> Any:
+                build_for(model, data)
+                state = forward_state(model) + model.metrics_variables
+                with self._guard(model, state):
+                    logs = original(data)
+                return self._step_logs(model, logs)
+
+        train_step._nanguard_optimizer = self  # type: ignore[attr-defined]
+        train_step._nanguard_original = original  # type: ignore[attr-defined]
+        model.train_step = train_step
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)  # made before: remake it
+
+    def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
+        """A custom training step as a whole-model transaction (TensorFlow,
+        torch; eager or inside `tf.function`).
+
+        Wrap the forward pass, the loss, the gradients and this optimizer's
+        `apply`: if the step is rejected, the state the forward pass wrote
+        (BatchNormalization statistics, non-trainable variables, seed state,
+        torch buffers) is put back as it was. If the block raises, that state
+        is put back too. In a JAX stateless loop use `stateless_commit`.
+
+        Args:
+            model: the built `keras.Model` being trained.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build(model.trainable_variables)
+        >>> grads = [keras.ops.full(v.shape, np.nan) for v in model.trainable_variables]
+        >>> with opt.transaction(model):
+        ...     _ = model(np.ones((4, 2), "float32"), training=True)
+        ...     opt.apply(grads, model.trainable_variables)
+        >>> model.layers[0].moving_mean.numpy().tolist()
+        [0.0, 0.0]
+        """
+        if not model.built:
+            raise ValueError(
+                "`transaction(model)` needs a built model (call it on a batch "
+                f"first), to know its state. Received: model={model.name!r}, "
+                "not built"
+            )
+        return self._guard(model, forward_state(model))
+
+    @contextlib.contextmanager
+    def _guard(self, model: keras.Model, state: list[Any]) -> Iterator[None]:
+        self._check_is_optimizer_of(model)
+        before = read(state)
+        steps = self._plans.steps
+        try:
+            yield
+        except BaseException:
+            keep_unless(False, state, before)
+            raise
+        if self._plans.steps == steps:
+            raise RuntimeError(
+                "No step of this SafeOptimizer ran inside `transaction(model)`: "
+                "call `apply`/`apply_gradients` inside the `with` block."
+            )
+        keep_unless(self.consecutive_skips.value == 0, state, before)
+
+    def stateless_commit(
+        self,
+        optimizer_variables: Sequence[Any],
+        before: Sequence[Any],
+        after: Sequence[Any],
+    ) -> list[Any]:
+        """JAX stateless loops: the non-trainable values to carry on with.
+
+        `after` (from `stateless_call`) if the step that returned
+        `optimizer_variables` (from `stateless_apply`) was accepted, else
+        `before`, tensor by tensor, on the device.
+
+        Args:
+            optimizer_variables: the values `stateless_apply` returned, in
+                `optimizer.variables` order.
+            before: the non-trainable values the step started from.
+            after: the non-trainable values the forward pass returned.
+
+        Returns:
+            A list of tensors, like `after`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> from keras import ops
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build([keras.Variable(1.0)])
+        >>> kept = opt.stateless_commit([v.value for v in opt.variables],
+        ...                              [ops.zeros(2)], [ops.ones(2)])
+        >>> ops.convert_to_numpy(kept[0]).tolist()   # accepted: `after`
+        [1.0, 1.0]
+        """
+        accepted = self._accepted(list(optimizer_variables), self.variables)
+        return select(accepted, list(before), list(after))
+
+    def _step_logs(self, model: keras.Model, logs: Any) -> Any:
+        """A `fit` step's logs after the transaction: the metrics as they are
+        (a rejected step left them out), and training health figures."""
+        if not isinstance(logs, dict):
+            return logs  # a custom train_step's own structure
+        logs = dict(logs)
+        fresh = model.get_metrics_result()
+        logs.update({k: v for k, v in fresh.items() if k in logs})
+        logs["nanguard_grad_norm"] = self.accepted_grad_norm.value
+        logs["nanguard_rejected_steps"] = self.skipped_steps.value
+        if self.lr_backoff is not None:
+            logs["nanguard_lr_scale"] = self.lr_scale.value
+        if self.spike_sigma is not None:
+            logs["nanguard_spike_steps"] = self.spike_steps.value
+        return logs
+
+    def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:
+        """Whether the step that produced `values` (of `variables`) was
+        accepted: `consecutive_skips` is 0 exactly then."""
+        if len(values) != len(variables):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per variable of "
+                f"`optimizer.variables` ({len(variables)}). "
+                f"Received: {len(values)} values"
+            )
+        index = [id(v) for v in variables].index(id(self.consecutive_skips))
+        return values[index] == 0
+
+    def _check_is_optimizer_of(self, model: keras.Model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        wrapper = optimizer  # self may sit inside a LossScaleOptimizer
+        while wrapper is not None and wrapper is not self:
+            wrapper = getattr(wrapper, "inner_optimizer", None)
+        if optimizer is not None and wrapper is None:
+            raise ValueError(
+                "The model is compiled with another optimizer; compile it with "
+                "this SafeOptimizer before tying them. "
+                f"Received: model.optimizer={optimizer!r}"
+            )
