@@ -1,0 +1,63 @@
+"""Who owns which policy when SafeOptimizer and NaNGuard are both set.
+
+SafeOptimizer owns the step (reject, `lr_backoff`, halt after
+`max_consecutive_skips`); NaNGuard owns the run (restore a snapshot, lower
+the base learning rate by `lr_factor`). Of the two rejection limits the
+smaller acts first. These scenarios pin that precedence.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_nanguard as ng
+
+
+def _model(optimizer):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _data(bad):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((160, 6)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    return ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=bad)
+
+
+def test_nan_guard_limit_first_rolls_back_before_the_optimizer_halts():
+    opt = ng.SafeOptimizer(
+        keras.optimizers.SGD(0.05), lr_backoff=0.5, max_consecutive_skips=5
+    )
+    guard = ng.NaNGuard(verbose=0, max_rejections=2, lr_factor=0.5)
+    _model(opt).fit(_data([2, 3]), verbose=0, shuffle=False, callbacks=[guard])
+    # Two rejections in a row: NaNGuard's trouble, one rollback; the
+    # optimizer never reached its own limit.
+    assert guard.rollbacks == 1
+    assert [i.kind for i in guard.incidents] == ["rejected_step"]
+    assert opt.counters()["skipped_steps"] == 2
+    # The base rate is NaNGuard's (0.05 -> 0.025); the back-off scale was
+    # restored with the snapshot (1.0) and never ended at 0.25.
+    assert float(opt.learning_rate) == pytest.approx(0.025)
+    assert opt.counters()["lr_scale"] == 1.0
+    assert opt.counters()["consecutive_skips"] == 0
+
+
+def test_optimizer_limit_first_halts_and_nan_guard_treats_the_halt():
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05), max_consecutive_skips=2)
+    guard = ng.NaNGuard(verbose=0, max_rejections=5)
+    _model(opt).fit(_data([2, 3]), verbose=0, shuffle=False, callbacks=[guard])
+    assert [i.kind for i in guard.incidents] == ["halted"]
+    assert guard.rollbacks == 1
+    # The rollback restored the snapshot of step 0 (iterations 0) and with
+    # it the streak: the 6 clean batches after the halt were applied.
+    assert opt.counters()["consecutive_skips"] == 0
+    assert int(opt.iterations) == 6
