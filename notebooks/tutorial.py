@@ -1,7 +1,8 @@
 """Code shared by the notebooks and by the tests that assert their claims.
 
-The notebooks import this module (they run with `notebooks/` as the working
-directory); `tests/test_notebooks.py` imports it too, so every claim a
+The notebooks import this module first (they run with `notebooks/` as the
+working directory): it sets the backend and imports TensorFlow without its
+start-up log lines; `tests/test_notebooks.py` imports it too, so every claim a
 notebook makes is checked by an ordinary test running the same code.
 """
 
@@ -13,13 +14,34 @@ import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras
-import numpy as np
-from keras import ops
 
-import keras_nanguard as ng
+def _import_tensorflow_quietly() -> None:
+    """TensorFlow's start-up notes (oneDNN, CPU features) go to the process's
+    stderr through absl before TF_CPP_MIN_LOG_LEVEL applies; in a notebook
+    they would open the first cell's output. Only the C++ stream is silenced,
+    and only while importing: a failing import still raises as usual."""
+    if os.environ["KERAS_BACKEND"] != "tensorflow" or "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        import tensorflow  # noqa: F401
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+_import_tensorflow_quietly()  # before keras, which imports TensorFlow
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import ops  # noqa: E402
+
+import keras_nanguard as ng  # noqa: E402
 
 GAMMA = 0.99
 SOLVED = 195.0  # running reward that counts as "solved" for CartPole-v1
