@@ -130,6 +130,7 @@ def test_nan_sample_poisons_plain_training_but_not_safe_training():
     assert int(safe_opt.iterations) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clipnorm", [None, 1e6])
 def test_clean_run_of_1000_steps_rejects_nothing_and_is_bit_identical(clipnorm):
     x, y = _data(16 * 250, seed=1)

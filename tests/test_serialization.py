@@ -118,14 +118,33 @@ def test_gradient_fault_leaves_forward_exact_and_breaks_backward(value):
     )
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.01))
     model.compile(optimizer=opt, loss="mse")
+    # Not training: identity, bit for bit, before and after training.
+    reference = keras.Sequential([model.layers[0], model.layers[2]])
     before = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(before, reference.predict(x, verbose=0))
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert np.isfinite(history.history["loss"]).all()
     assert opt.counters()["skipped_steps"] == 1
     assert opt.counters()["last_nonfinite_index"] == 0  # first/kernel
-    # Not training: identity, bit for bit.
-    reference = keras.Sequential([model.layers[0], model.layers[2]])
+    assert int(opt.iterations) == 3  # steps 0, 2 and 3 applied
+    after = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(after, reference.predict(x, verbose=0))
+    assert np.isfinite(after).all() and not np.array_equal(after, before)
+
+
+def test_weight_norm_dense_round_trip(tmp_path):
+    from tests.models import WeightNormDense, critic
+
+    model = critic("relu", g_init=2.0)
+    path = tmp_path / "critic.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)  # registered: no custom_objects
+    layer = loaded.get_layer("wn2")
+    assert type(layer) is WeightNormDense
+    assert layer.get_config() == model.get_layer("wn2").get_config()
+    assert (layer.units, layer.g_init, layer.b_init, layer.l1) == (32, 2.0, 0.1, 0.005)
+    assert_bit_identical(numpy(model.weights), numpy(loaded.weights), "weights")
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
     np.testing.assert_array_equal(
-        model.predict(x, verbose=0), reference.predict(x, verbose=0)
+        model.predict(x, verbose=0), loaded.predict(x, verbose=0)
     )
-    assert before.shape == (64, 1)

@@ -81,6 +81,7 @@ def test_the_window_must_fill_before_it_judges():
     assert opt.counters()["spike_steps"] == 0 and int(opt.spike_count) == 40
 
 
+@pytest.mark.slow
 def test_no_false_alarm_in_1000_clean_digits_steps():
     # The digits model of tests/test_scenarios.py: 1280 samples, 40 full
     # batches of 32 an epoch, 25 epochs. (A tiny last batch of an epoch, 5
