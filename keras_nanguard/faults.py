@@ -49,21 +49,25 @@ def _fault_value(value: str | float, name: str = "value") -> float:
     return float(value)
 
 
-def _steps(at_steps: Iterable[int] | int, name: str = "at_steps") -> tuple[int, ...]:
+def _steps(
+    at_steps: Iterable[int] | int, name: str = "at_steps", given: Any = None
+) -> tuple[int, ...]:
+    """Sorted distinct 0-based indices; errors show `given` (what the user
+    passed) when the indices were taken out of it."""
+    given = at_steps if given is None else given
     if is_int(at_steps):
         at_steps = [at_steps]
-
     try:
         steps = tuple(at_steps)
     except TypeError as err:
         raise TypeError(
             f"`{name}` must be an int or a list of ints >= 0. "
-            f"Received: {name}={at_steps!r}"
+            f"Received: {name}={given!r}"
         ) from err
     if not all(is_int(s, 0) for s in steps):
         raise ValueError(
-            f"`{name}` must hold ints >= 0 (0-based training steps). "
-            f"Received: {name}={at_steps!r}"
+            f"`{name}` must hold ints >= 0 (0-based indices). "
+            f"Received: {name}={given!r}"
         )
     return tuple(sorted({int(s) for s in steps}))
 
@@ -191,10 +195,12 @@ class PoisonedBatches(keras.utils.PyDataset):
             )
         self.batch_size = batch_size
         if isinstance(bad_batches, Mapping):
-            values = {b: _fault_value(v) for b, v in bad_batches.items()}
+            indices = _steps(list(bad_batches), "bad_batches", given=bad_batches)
+            values = {int(b): _fault_value(v) for b, v in bad_batches.items()}
         else:
-            values = dict.fromkeys(bad_batches, _fault_value(value))
-        self.bad_batches = {b: values[b] for b in _steps(values, "bad_batches")}
+            indices = _steps(bad_batches, "bad_batches")
+            values = dict.fromkeys(indices, _fault_value(value))
+        self.bad_batches = {b: values[b] for b in indices}
         if any(b >= len(self) for b in self.bad_batches):
             raise ValueError(
                 f"`bad_batches` must be < the number of batches ({len(self)}). "
@@ -275,9 +281,11 @@ class GradientFault(keras.layers.Layer):
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         if not training or not self.at_steps:
             return inputs
+        # Decide before counting: on TensorFlow and torch `.value` is the
+        # variable itself, which the assign below would move on.
         step = self.calls.value
-        self.calls.assign(step + 1)
         faulty = ops.any(ops.equal(step, ops.convert_to_tensor(self.at_steps, "int32")))
+        self.calls.assign(step + 1)
         if self.value == "nan":
             probe = inputs * 0  # gradient 0 times an infinite sqrt' = NaN
         else:

@@ -11,9 +11,7 @@ from keras import ops
 
 import keras_nanguard as ng
 from keras_nanguard import faults
-from tests.helpers import BACKEND, numpy
-
-PENDING = pytest.mark.xfail(strict=True, reason="faults.py fix pending")
+from tests.helpers import numpy
 
 
 # ----------------------------------------------------------------- poison
@@ -67,7 +65,6 @@ def test_poison_refuses_a_scalar():
         faults.poison(1.0)
 
 
-@PENDING
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -168,7 +165,6 @@ def test_poisoned_batches_refuse_bad_arguments(kwargs, error, match):
         faults.PoisonedBatches(x, y, **{"batch_size": 4, **kwargs})
 
 
-@PENDING
 @pytest.mark.parametrize(
     ("bad_batches", "error", "match"),
     [
@@ -208,14 +204,6 @@ def _fault_model(value):
     return model
 
 
-# On TensorFlow and torch the layer reads its step counter after incrementing
-# it (`self.calls.value` is the variable itself, not a snapshot), so it fires
-# one step early: at step 0 for at_steps=[1].
-@pytest.mark.xfail(
-    BACKEND != "jax",
-    strict=True,
-    reason="faults.py fix pending: GradientFault fires one step early",
-)
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_gradient_fault_breaks_the_layers_before_it_at_its_step_only(value):
     x, y = _xy(8)
