@@ -39,17 +39,18 @@ class Responses:
             self._on_bad_figures(ev)
 
     def _on_bad_figures(self, ev: Event) -> None:
-        if self._extend(ev):
-            return
         snapshots.sync_from_device(self._net)
         variables = snapshots.nonfinite_names(self._net)
-        detail = _describe_logs(ev.logs, ev.bad_logs)
-        if variables:
-            detail += " The update was applied: the state is non-finite."
-        kind = (
-            "nonfinite_loss" if any(map(is_loss, ev.bad_logs)) else "nonfinite_metric"
-        )
-        self._record(ev, kind, detail, variables)
+        if self._extend(ev):  # the same episode: is the state bad again?
+            inc = self.incidents[-1]
+            inc.variables = sorted(set(inc.variables) | set(variables))
+        else:
+            detail = _describe_logs(ev.logs, ev.bad_logs)
+            if variables:
+                detail += " The update was applied: the state is non-finite."
+            loss = any(map(is_loss, ev.bad_logs))
+            kind = "nonfinite_loss" if loss else "nonfinite_metric"
+            self._record(ev, kind, detail, variables)
         if variables:
             self._trouble()
         else:  # Keras's running means hold the bad batch: start them afresh
@@ -167,14 +168,15 @@ class Responses:
                 inc.learning_rate = lr
                 inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
                 self._save(snap)  # the rate to go on with
-            self._discard_until = self._now + self.skip_batches
-            self._reset_metrics(self._now, self._discard_until)
+            until = self._now + self.skip_batches
+            self._discard_until = until if self.skip_batches else None
+            self._reset_metrics(self._now, until, restored=True)
             if self.skip_batches:
                 inc.action += f", discarding the next {self.skip_batches} batches"
             return
         self._net.stop_training = True
         self._stopping = True  # the batch in flight is undone at the epoch end
-        self._reset_metrics(self._now, math.inf)
+        self._reset_metrics(self._now, math.inf, restored=True)
         inc.action = where + ", stopped training"
         if self.policy == "rollback":
             inc.action += (
@@ -186,14 +188,18 @@ class Responses:
         snapshots.restore(self._net, self.snapshot)
         self._restored_at = self._now
 
-    def _reset_metrics(self, step: int, leave_out_until: float | None = None) -> None:
+    def _reset_metrics(
+        self, step: int, leave_out_until: float | None = None, restored: bool = False
+    ) -> None:
         """Starts Keras's running means afresh before `step`; the batch-end
-        side leaves the batches before `leave_out_until` out of the figures."""
+        side leaves the batches before `leave_out_until` out of the figures
+        (and, if the snapshot was `restored`, counts rejections in a row
+        afresh from `step`: the restore resets the streak)."""
         snapshots.sync_from_device(self._net)
         self._net.reset_metrics()
         with self._lock:
             self._watch.metrics_reset(
-                step, step if leave_out_until is None else leave_out_until
+                step, step if leave_out_until is None else leave_out_until, restored
             )
 
     def _lower_learning_rate(self) -> tuple[float, float] | None:

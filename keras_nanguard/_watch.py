@@ -51,6 +51,7 @@ class BatchWatch:
         self.healthy_step = -1  # first step of the last healthy execution
         self.step_seconds: float | None = None
         self.reset_at: int | None = None  # Keras's metrics reset before this step
+        self.run_reset_at: int | None = None  # the streak restarts at this step
         self.leave_out_until = 0  # steps before it are left out of the figures
         self._last_time: float | None = None
         self._bad_before = False
@@ -83,6 +84,8 @@ class BatchWatch:
             self.counts_rejections = True
             rejected = int(logs[REJECTED])
             new, self.rejected = rejected - self.rejected, rejected
+        if self.run_reset_at is not None and step >= self.run_reset_at:
+            self.run, self.run_reset_at = 0, None
         self.run = self.run + steps if new == steps else new
         # A tainted figure's running mean holds a batch already left out.
         tainted = self.figures.tainted
@@ -128,8 +131,14 @@ class BatchWatch:
             self.step_seconds = dt if old is None else 0.9 * old + 0.1 * dt
         self._last_time = now
 
-    def metrics_reset(self, step: int, leave_out_until: int) -> None:
+    def metrics_reset(
+        self, step: int, leave_out_until: float, restored: bool = False
+    ) -> None:
         """Keras's metric states were reset before `step`; batches before
-        `leave_out_until` are left out of the figures."""
+        `leave_out_until` are left out of the figures; `restored`: the
+        snapshot was restored there, which resets a SafeOptimizer's streak
+        of rejected steps."""
         self.reset_at = step
         self.leave_out_until = leave_out_until
+        if restored:
+            self.run_reset_at = step

@@ -285,7 +285,7 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         self._rollbacks_since_snapshot = 0
         self._resumed_at = 0  # events of earlier steps ran on an undone state
         self._restored_at = -1  # `_now` when the snapshot was last restored
-        self._discard_until = 0
+        self._discard_until: int | None = None
         self._stopping = False
         # Keras's `Callback.model` syncs JAX state at each access (and so makes
         # the next step gather it again): NaNGuard reads it once per fit and
@@ -415,11 +415,12 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             self._handle(ev)
         if self._stopping:
             return
-        if self._discard_until > self._restored_at:  # after a rollback
+        if self._discard_until is not None:  # `skip_batches` after a rollback
             if self._now < self._discard_until:
                 return  # batches to discard still run
+            self._discard_until = None
             self._restore()  # undoes them
-            self._reset_metrics(self._now)
+            self._reset_metrics(self._now, restored=True)
         self._poll_counters(steps, step_seconds, force=False)
         if snapshot and self._started and not events and not self._stopping:
             with self._lock:

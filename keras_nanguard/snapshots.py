@@ -287,14 +287,14 @@ def _device_room(variables: list[keras.Variable]) -> bool:
 def _to_host(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
-    if hasattr(value, "detach"):
+    if hasattr(value, "detach"):  # torch (on the CPU, shares memory)
         return value.detach().cpu().numpy()
     return np.asarray(value)
 
 
 def host_values(snap: Snapshot) -> list[np.ndarray]:
-    """The snapshot's values on the host (a copy of device values)."""
-    return [_to_host(v) for v in snap.values]
+    """Copies of the snapshot's values on the host."""
+    return [np.array(_to_host(v), copy=True) for v in snap.values]
 
 
 def restore(model: keras.Model, snapshot: Snapshot) -> None:
@@ -388,7 +388,7 @@ def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
             np.savez(
                 f,
                 __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                **{f"v{i}": v for i, v in enumerate(host_values(snapshot))},
+                **{f"v{i}": _to_host(v) for i, v in enumerate(snapshot.values)},
             )
             f.flush()
             os.fsync(f.fileno())

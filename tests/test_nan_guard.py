@@ -177,7 +177,9 @@ def test_halted_optimizer_is_trouble():
     assert guard.incidents[0].kind == "halted"
     assert "stopped training" in guard.incidents[0].action
     assert model.stop_training
-    assert_bit_identical(guard.snapshot.values[:4], numpy(model.weights), "weights")
+    assert_bit_identical(
+        snapshots.host_values(guard.snapshot)[:4], numpy(model.weights), "weights"
+    )
 
 
 # ------------------------------------------------- with a plain optimizer
@@ -278,14 +280,18 @@ def test_stop_policy_restores_the_last_snapshot_bit_identical():
     assert model.stop_training and len(history.history["loss"]) == 1
     assert guard.snapshot.step == 4  # after step 3, confirmed by step 4
     n = len(model.weights)
-    assert_bit_identical(guard.snapshot.values[:n], numpy(model.weights), "weights")
+    assert_bit_identical(
+        snapshots.host_values(guard.snapshot)[:n], numpy(model.weights), "weights"
+    )
     state = [
         v for v in model.optimizer.variables if v is not model.optimizer.learning_rate
     ]
     expected = [
         a
         for v, a in zip(
-            model.optimizer.variables, guard.snapshot.values[n:], strict=True
+            model.optimizer.variables,
+            snapshots.host_values(guard.snapshot)[n:],
+            strict=True,
         )
         if v is not model.optimizer.learning_rate
     ]
@@ -330,7 +336,7 @@ def test_skip_batches_discards_the_next_updates():
             if batch == 5:
                 self.after_skips = numpy(self.model.weights)
                 n = len(self.model.weights)
-                self.snapshot = [a.copy() for a in guard.snapshot.values[:n]]
+                self.snapshot = snapshots.host_values(guard.snapshot)[:n]
 
     record = Record()
     model = _model(keras.optimizers.SGD(0.05))
@@ -401,7 +407,8 @@ def test_snapshots_on_disk_restore_into_a_fresh_model(tmp_path):
     step = ng.NaNGuard.restore(fresh, tmp_path)
     assert step == guard.snapshot.step
     assert_bit_identical(
-        guard.snapshot.values[: len(fresh.weights)], numpy(fresh.weights)
+        snapshots.host_values(guard.snapshot)[: len(fresh.weights)],
+        numpy(fresh.weights),
     )
     other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
     other.compile(optimizer="adam", loss="mse")
