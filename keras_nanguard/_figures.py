@@ -7,56 +7,57 @@ from typing import Any
 
 
 class EpochFigures:
-    """Keras logs running means over the epoch, kept in its metric states. To
-    leave a batch out of a figure, the part kept so far is folded into
-    `prefix` and the caller resets Keras's states; reported figures are then
-    the batch-weighted mean of `prefix` and Keras's running mean since the
-    reset (`segment`): exact for mean metrics with equal batch sizes.
+    """Keras logs running means over the batches since its metric states were
+    last reset (`since_reset` of them). To leave a batch out of a figure,
+    the figure is *tainted* (its running mean includes that batch) until the
+    states are reset: reported figures are then the batch-weighted mean of
+    `prefix` (the parts folded at earlier resets) and `segment` (the last
+    running mean kept since the last reset): exact for mean metrics with
+    equal batch sizes.
 
     A batch may be left out of some figures only (a non-finite metric with a
-    finite loss), so `prefix` keeps a count per figure. A figure with no kept
-    batch at all is left out of the logs, as Keras leaves out `val_*` figures
-    in an epoch it did not validate.
+    finite loss), so each figure has its own parts. A figure with no kept
+    batch at all is left out of the logs, as Keras leaves out `val_*`
+    figures in an epoch it did not validate.
     """
 
     def __init__(self) -> None:
         self.prefix: dict[str, tuple[float, int]] = {}  # name: (mean, batches)
-        self.segment: dict[str, float] = {}
-        self.segment_n = 0  # batches since Keras's states were last reset
+        self.segment: dict[str, tuple[float, int]] = {}
+        self.tainted: set[str] = set()
+        self.since_reset = 0  # batches in Keras's running means
 
-    def keep(self, logs: dict, steps: int = 1) -> None:
-        """`steps` kept batches: `logs` (Keras's running means) become the
-        segment's, and show the combined figures."""
-        self.segment = {k: float(v) for k, v in logs.items() if is_metric(k, v)}
-        self.segment_n += steps
-        self._show(logs)
-
-    def leave_out(
-        self, logs: dict, keys: list[str] | None = None, steps: int = 1
+    def add(
+        self, logs: dict, counted: int, leave_out: list[str] | bool = False
     ) -> None:
-        """Leaves the last `steps` batches out of the figures in `keys` (all by
-        default); the other figures keep them. `logs` then show the figures
-        without them (a figure with nothing kept yet is removed). The caller
-        resets Keras's metric states next."""
-        current = {k: float(v) for k, v in logs.items() if is_metric(k, v)}
-        for key in set(current) | set(self.segment):
-            if keys is None or key in keys or key not in current:
-                if key in self.segment:
-                    self._fold(key, self.segment[key], self.segment_n)
-            else:  # Keras's running mean already includes these batches
-                self._fold(key, current[key], self.segment_n + steps)
-        self.segment, self.segment_n = {}, 0
+        """One execution's logs. `counted`: its batches that Keras's metric
+        states hold (a step rejected by an attached SafeOptimizer is not
+        counted there); `leave_out`: the figures to leave it out of (`True`:
+        all). `logs` then show the figures without the left-out batches (a
+        figure with nothing kept yet is removed)."""
+        self.since_reset += counted
+        for key, value in logs.items():
+            if not is_metric(key, value):
+                continue
+            if leave_out is True or key in (leave_out or ()):
+                self.tainted.add(key)
+            elif key not in self.tainted:
+                self.segment[key] = (float(value), self.since_reset)
         self._show(logs)
+
+    def reset(self) -> None:
+        """Keras's metric states were reset (before the batch now seen)."""
+        for key, part in self.segment.items():
+            self._fold(key, *part)
+        self.segment, self.tainted, self.since_reset = {}, set(), 0
 
     def finish(self, logs: dict) -> None:
         """The epoch-end logs (Keras's, from its states) without the left-out
         batches; a training figure with no kept batch is removed."""
-        if self.segment_n:
-            self.segment = {
-                k: float(v)
-                for k, v in logs.items()
-                if is_metric(k, v) and not k.startswith("val_")
-            }
+        for key, value in logs.items():
+            train = is_metric(key, value) and not key.startswith("val_")
+            if train and key not in self.tainted:
+                self.segment[key] = (float(value), self.since_reset)
         self._show(logs, train_only=True)
 
     def _fold(self, key: str, mean: float, n: int) -> None:
@@ -67,10 +68,9 @@ class EpochFigures:
         for key in [k for k, v in logs.items() if is_metric(k, v)]:
             if train_only and key.startswith("val_"):
                 continue
-            parts = [self.prefix.get(key, (0.0, 0))]
-            if self.segment_n and key in self.segment:
-                parts.append((self.segment[key], self.segment_n))
-            mean, n = _mean(*parts) if len(parts) == 2 else parts[0]
+            mean, n = _mean(
+                self.prefix.get(key, (0.0, 0)), self.segment.get(key, (0.0, 0))
+            )
             if n:
                 logs[key] = mean
             else:  # nothing kept: no figure rather than NaN

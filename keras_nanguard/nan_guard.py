@@ -4,44 +4,68 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-import warnings
+import threading
 from typing import Any
 
 import keras
 
-from keras_nanguard import _replay, snapshots
+from keras_nanguard import snapshots
 from keras_nanguard._cadence import Cadence
-from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
+from keras_nanguard._responses import Responses
 from keras_nanguard._validation import check_writable, is_int, is_number
+from keras_nanguard._watch import REJECTED, BatchWatch
 from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.incidents import Incident, diagnose_batch, write_json
+from keras_nanguard.incidents import Incident, write_json
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 _LOG = logging.getLogger("keras_nanguard")
+# A batch end waits at most this long for the one before it (Keras's worker
+# threads may start them out of order); past it, it goes on regardless.
+_ORDER_TIMEOUT = 60.0
+# A batch begins only once the batch end of `_MAX_LAG` executions before it
+# has been read: NaNGuard acts at most that many batches late, and the device
+# still has that many queued (no stall).
+_MAX_LAG = 2
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
-class NaNGuard(keras.callbacks.Callback):
+class NaNGuard(Responses, keras.callbacks.Callback):
     """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
 
-    What it watches, at the end of every batch (and so synchronously, also on
-    JAX and PyTorch where Keras would otherwise run batch-end callbacks in a
-    background thread):
+    NaNGuard is asynchronous (`async_safe = True`): it never makes training
+    wait for the device. On JAX and PyTorch, Keras runs its batch-end work
+    in a background thread, with the logs already read; there NaNGuard only
+    reads the logs, keeps the figures and notes what needs doing. What
+    reads or changes the model (snapshots, rollback, stop, the learning
+    rate, describing an incident) happens on the training thread at the
+    next batch *begin*, at the end of the epoch, or at the end of training:
+    a few steps after the bad batch, as many as the device runs behind.
+    With a SafeOptimizer nothing bad is applied in between (it rejects it).
+    On TensorFlow (and whenever another callback makes Keras call batch ends
+    on the training thread) the same actions happen at that batch's end.
 
-    - the batch's loss and metrics: Keras logs running means, so NaNGuard
+    What it watches:
+
+    - every batch's loss and metrics: Keras logs running means, so NaNGuard
       excludes a bad batch from them (see below) and sees every bad batch;
-    - the counters of a `SafeOptimizer` (also inside a `LossScaleOptimizer`):
-      rejected steps, and a halt after `max_consecutive_skips`;
+    - the total of steps rejected by a `SafeOptimizer` (also inside a
+      `LossScaleOptimizer`), which NaNGuard attaches to the model: each step
+      logs it, so every rejected step is found at its own step, with no
+      read from the device; a halt after `max_consecutive_skips`;
     - the weights and optimizer variables, where reading them is paid for
-      anyway: when a snapshot is taken, at the end of an epoch, and at an
-      incident.
+      anyway: when a snapshot is proven good, at the end of an epoch, and at
+      an incident.
 
     It keeps a last-known-good snapshot of every model weight and optimizer
-    variable, on the host, taken only when all are finite: at the start of
-    training, then every `snapshot_every` steps (by default as often as fits
-    in 1% of the training time), and at the end of training; optionally
-    written to `directory`.
+    variable, taken only when all are finite: at the start of training,
+    then every `snapshot_every` steps (by default as often as fits in 1% of
+    the training time), and at the end of training; optionally written to
+    `directory`. On JAX and PyTorch a snapshot is a copy on the device
+    (when it has room for three), made at memory speed without waiting for
+    the steps in flight; its finiteness is checked there and read once,
+    when the snapshot is promoted. On TensorFlow it is a host copy. A new
+    snapshot becomes the rollback point only once a later batch was
+    healthy.
 
     A model that `fit` itself builds (a subclassed model or a `Sequential`
     without `Input`, on TensorFlow; JAX and PyTorch build it before training
@@ -65,13 +89,16 @@ class NaNGuard(keras.callbacks.Callback):
       after `patience` rollbacks with no fresh good snapshot in between, stop
       as with `"stop"`.
     - `"stop"`: restore the snapshot and stop training; `fit` returns a
-      finite, usable model.
+      finite, usable model (a step already under way when NaNGuard stops
+      training is undone at the end of the epoch).
     - `"raise"`: restore the snapshot and raise `keras_nanguard.NonFiniteError`
       with the incident report.
     - `"warn"`: only warn.
 
     Reported figures: a batch whose loss is non-finite, and a discarded
-    batch, are left out of the epoch's loss and metrics; a non-finite metric
+    batch, are left out of the epoch's loss and metrics, and so are, with a
+    plain optimizer, the batches between a bad batch and the rollback (they
+    ran on the bad state); a non-finite metric
     with a finite loss (incident kind `"nonfinite_metric"`) is left out of
     that metric only. (Keras's metric states are reset and NaNGuard combines
     the parts, each batch weighted equally.) So the progress bar, `History`,
@@ -85,8 +112,11 @@ class NaNGuard(keras.callbacks.Callback):
     `ModelCheckpoint` warn that the figure is not available and skip the
     epoch. NaNGuard edits `logs` in place: list it *before*
     `ModelCheckpoint`, `BackupAndRestore`, `EarlyStopping`, `CSVLogger` and
-    `TensorBoard`. It adds `nanguard_incidents`, `nanguard_rollbacks` and
-    (with a SafeOptimizer) `nanguard_rejected_steps` to the logs.
+    `TensorBoard` (on JAX and PyTorch, Keras's `ProgbarLogger` and `History`
+    run after it in the same thread). It adds `nanguard_incidents`,
+    `nanguard_rollbacks` (as of the last action: a batch's logs may show
+    them a few steps late) and, with a SafeOptimizer, `nanguard_rejected_steps`
+    and `nanguard_grad_norm` to the logs.
 
     With `steps_per_execution=k` (not on PyTorch), Keras calls back once per
     k steps, so detection, rollback and the exclusion of figures work on
@@ -106,10 +136,9 @@ class NaNGuard(keras.callbacks.Callback):
             `"auto"`. Defaults to 0.01.
         check_every: steps between reads of a SafeOptimizer's counters
             (int >= 1), or `"auto"`: as often as keeps the reads under 1% of
-            the training time. A batch with non-finite figures always
-            triggers a read. Rejected steps whose loss was finite are
-            noticed at the next read (they were not applied, so nothing is
-            lost in between). Defaults to `"auto"`.
+            the training time. Only for steps that do not log the total
+            (a custom `train_step`): `fit`'s own steps log it, and are
+            checked at every step without a read. Defaults to `"auto"`.
         lr_factor: float in (0, 1]: learning-rate multiplier at each rollback
             (1 keeps it). Defaults to 0.5.
         skip_batches: int >= 0: batches discarded after a rollback (their
@@ -218,18 +247,27 @@ class NaNGuard(keras.callbacks.Callback):
         self.verbose = verbose
         self.incidents: list[Incident] = []
         self.rollbacks = 0
-        # `snapshot` is the rollback point. A new snapshot is first `_pending`:
+        # `snapshot` is the rollback point. A new snapshot is first pending
+        # (`_pendings`, oldest first):
         # it becomes the rollback point only once the next batch is healthy,
         # so an update that is finite but ruinous (a learning-rate spike) is
         # not kept as "good" before its damage shows. `_spare` holds the
         # previous buffers for reuse.
         self.snapshot: snapshots.Snapshot | None = None
-        self._pending: snapshots.Snapshot | None = None
+        self._pendings: list[snapshots.Snapshot] = []
         self._spare: snapshots.Snapshot | None = None
         self.snapshots_taken = 0
         self._fits = 0
 
+    # On JAX and torch Keras runs `on_train_batch_end` in worker threads.
+    async_safe = True
+
     # ------------------------------------------------------------ lifecycle
+    # Threads: `on_train_batch_end` may run in Keras's worker threads, the
+    # other hooks run on the training thread. They share `self._watch` (the
+    # batch-end side's state, `_watch.BatchWatch`) under `self._lock`; the
+    # batch-end side queues `Event`s there, the training thread takes them
+    # in `_act`. Only the training thread touches the model.
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.directory is not None:
             check_writable(self.directory, "directory")
@@ -239,328 +277,173 @@ class NaNGuard(keras.callbacks.Callback):
             )
         self._fit = self._fits
         self._fits += 1
-        self._step = 0  # steps done in this fit
-        self._batch_step = 0  # global step of the current execution's first batch
-        self._batch_steps = 1  # steps in the current execution
-        self._epoch = 0
+        self._thread = threading.get_ident()
+        self._lock = threading.Condition()
+        self._epoch = self._now = self._seen = self._checked_at = 0
+        self._checked_at = -1
         self._open: Incident | None = None
         self._rollbacks_since_snapshot = 0
-        self._skip_left = 0
-        self._safe = snapshots.find_safe_optimizer(self.model.optimizer)
+        self._resumed_at = 0  # events of earlier steps ran on an undone state
+        self._restored_at = -1  # `_now` when the snapshot was last restored
+        self._discard_until: int | None = None
+        self._stopping = False
+        # Keras's `Callback.model` syncs JAX state at each access (and so makes
+        # the next step gather it again): NaNGuard reads it once per fit and
+        # syncs only where it reads or changes the model.
+        self._net = self.model
+        self._k = max(1, int(getattr(self._net, "steps_per_execution", 1) or 1))
+        self._safe = snapshots.find_safe_optimizer(self._net.optimizer)
+        rejected = consecutive = 0
         if self._safe is not None:  # a rejected step keeps BN statistics too
-            self._safe.attach(self.model)
+            self._safe.attach(self._net)
+            snapshots.sync_from_device(self._net)
+            c = self._safe.counters()  # one read per fit
+            rejected, consecutive = c["skipped_steps"], c["consecutive_skips"]
+        self._watch = BatchWatch(rejected, consecutive)
         self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
         self._checks = Cadence(self.check_every, 0.01, 1)
-        self._last_time: float | None = None
-        self._step_seconds: float | None = None
-        snapshots.sync_from_device(self.model)
-        self._rejected_seen = self._read_rejected()
-        self._checked_at = -1
         # The last fit's rollback point only lends its buffers.
         self._spare = self.snapshot or self._spare
-        self.snapshot = self._pending = None
+        self.snapshot, self._pendings = None, []
         self._started = False
-        self._at_snapshot = False  # the state is the rollback point's
-        if self.model.built:  # else Keras builds it in the first step
+        if self._net.built:  # else Keras builds it in the first step
             self._start()
 
     def _start(self) -> None:
         """Takes the first snapshot, once the model has its variables."""
         self._started = True
-        optimizer = self.model.optimizer
+        optimizer = self._net.optimizer
         if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
-        snapshots.sync_from_device(self.model)
-        snap, bad = snapshots.take(
-            self.model, epoch=self._epoch, step=self._step, into=self._reusable()
-        )
+            optimizer.build(self._net.trainable_variables)
+        snap, bad = self._capture(verify=True)
         if snap is not None:
             self._keep(snap)
-            self._at_snapshot = True
-        elif self._step == 0:
+            self._restored_at = self._now  # the state is the rollback point's
+        elif self._now == 0:
             raise NonFiniteError(
                 "NaNGuard: the model is already non-finite before training starts "
                 f"({', '.join(bad[:5])}); there is no good state to protect. "
                 "Re-initialise or load good weights first."
             )
-        # else: the first step of a model built by `fit` went bad; the batch's
-        # checks report it and `_trouble` finds no snapshot.
+        # else: the first step of a model built by `fit` went bad; its event
+        # reports it and `_trouble` finds no snapshot.
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        self._figures = EpochFigures()
+        with self._lock:
+            self._watch.begin_epoch(epoch, self._watch.steps_done)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        with self._lock:
+            watch = self._watch
+            watch.begins.append(batch)
+            self._now = now = watch.base + batch
+            # Bounds how late an action can be: the device may run ahead of
+            # the batch ends by `_MAX_LAG` executions, no more.
+            lag = _MAX_LAG * self._k
+            self._lock.wait_for(lambda: watch.steps_done >= now - lag, _ORDER_TIMEOUT)
+        self._act()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        batch, steps = self._advance(batch)
-        self._at_snapshot = False
-        if not self._started:  # a model built by this first step
-            self._start()
-        if self._skip_left > 0:  # discard this batch: undo its update
-            self._skip_left = max(0, self._skip_left - steps)
-            snapshots.sync_from_device(self.model)
-            snapshots.restore(self.model, self.snapshot)
-            self._at_snapshot = True
-            self._leave_out(logs)
-            self._publish(logs)
-            return
-
-        bad_logs = sorted(k for k, v in logs.items() if nonfinite(v))
-        new_rejections, since = self._check_counters(bool(bad_logs), logs)
-        if bad_logs:  # this batch's figures are bad: it is left out of them
-            snapshots.sync_from_device(self.model)
-            bad_loss = any(is_loss(k) for k in bad_logs)
-            if new_rejections:
-                self._on_rejection(batch, logs, bad_logs, new_rejections, since)
-            else:
-                self._on_bad_figures(batch, logs, bad_logs, bad_loss)
-            # A non-finite metric with a finite loss: only the metric is left out.
-            self._leave_out(logs, None if bad_loss else bad_logs)
-        elif new_rejections:  # rejected with finite figures, e.g. an overflow
-            if "nanguard_rejected_steps" in logs:
-                # An attached step left its batch out of Keras's metrics on
-                # the device; an epoch with no accepted batch reports none.
-                self._leave_out(logs)
-            else:
-                self._keep_in(logs)
-            self._on_rejection(batch, logs, [], new_rejections, since)
-        else:
-            self._open = None
-            self._keep_in(logs)
-            if self._pending is not None:
-                self._keep(self._pending)
-            self._maybe_snapshot(batch)
-        self._publish(logs)
-
-    def _advance(self, batch: int) -> tuple[int, int]:
-        """Counts the steps of this execution; returns its first batch (in the
-        epoch) and its number of steps.
-
-        With `steps_per_execution=k` Keras calls back once per k steps with
-        `batch` = the last of them; the last execution of an epoch may be
-        shorter (known from `params["steps"]` when Keras knows the epoch's
-        length).
-        """
-        k = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
-        first = max(0, batch - k + 1)
         per_epoch = (self.params or {}).get("steps")
-        last = min(batch, per_epoch - 1) if per_epoch else batch
-        steps = max(1, last - first + 1)
-        self._batch_step, self._batch_steps = self._step, steps
-        self._step += steps
-        self._time_step(steps)
-        return first, steps
-
-    def _on_bad_figures(
-        self, batch: int, logs: dict, bad_logs: list[str], bad_loss: bool
-    ) -> None:
-        variables = snapshots.nonfinite_names(self.model)
-        detail = _describe_logs(logs, bad_logs)
-        if variables:
-            detail += " The update was applied: the state is non-finite."
-        kind = "nonfinite_loss" if bad_loss else "nonfinite_metric"
-        self._record(batch, kind, detail, logs, variables)
-        if variables:
-            self._trouble()
+        with self._lock:
+            watch = self._watch
+            first = watch.first_of(batch, self._k)
+            # Keras's workers may start batch ends out of order.
+            self._lock.wait_for(lambda: watch.next_batch >= first, _ORDER_TIMEOUT)
+            # With `steps_per_execution` the last execution may be shorter.
+            last = min(batch, per_epoch - 1) if per_epoch else batch
+            watch.end(first, max(first, last), logs)
+            self._lock.notify_all()
+        if threading.get_ident() == self._thread:  # Keras calls it in line
+            self._now = watch.steps_done
+            self._act()
+        self._publish(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        self._figures.finish(logs)
+        self._now = self._watch.steps_done  # Keras waited for its workers
+        self._act(snapshot=False)
+        if self._stopping:  # undo the step that ran after the stop
+            self._restore()
+        with self._lock:
+            self._watch.figures.finish(logs)
         if not self._started:  # no batch in this epoch built the model
             self._publish(logs)
             return
-        snapshots.sync_from_device(self.model)
-        new_rejections, since = self._check_counters(force=True)
-        if new_rejections:  # not yet seen by a periodic read
-            self._on_rejection(-1, logs, [], new_rejections, since)
-        snap, bad = snapshots.take(
-            self.model, epoch=epoch + 1, step=self._step, into=self._reusable()
-        )
-        if snap is None:
-            self._record(
-                -1, "nonfinite_weights", "found at the end of the epoch.", logs, bad
-            )
-            self._trouble()
-        else:
-            self._pending = snap
+        self._poll_counters(0, None, force=True)
+        if not self._stopping and self._restored_at != self._now:
+            snap, bad = self._capture(verify=True)  # one read per epoch
+            if snap is None:
+                self._record(
+                    None, "nonfinite_weights", "found at the end of the epoch.", bad
+                )
+                self._trouble()
+            else:
+                snap.epoch = epoch + 1
+                self._pendings.append(snap)
+                self._snapshots.done(snap.seconds)
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self._started and not self._at_snapshot:
+        self._now = self._watch.steps_done
+        self._act(snapshot=False)
+        if self._stopping and self._restored_at != self._now:
+            self._restore()
+        if self._started and self._restored_at != self._now:
             self._keep_final_state()
         elif self.snapshot is not None:  # the state is the rollback point's
             self._save(self.snapshot)  # with the learning rate as it is now
         self._write_report()
 
+    def _act(self, snapshot: bool = True) -> None:
+        """The training thread's turn: acts on what the batch ends found,
+        promotes a proven snapshot, takes a due one. Touches the model only
+        when there is something to do."""
+        with self._lock:
+            events, self._watch.events = self._watch.events, []
+            healthy = self._watch.healthy_step
+            step_seconds = self._watch.step_seconds
+        steps, self._seen = self._now - self._seen, self._now
+        if not self._started and self._net.built:
+            self._start()
+        # A healthy batch after the pending snapshot proves it, even if a
+        # later one is bad: promote it before acting on that one.
+        self._promote(healthy)
+        for ev in events:
+            self._handle(ev)
+        if self._stopping:
+            return
+        if self._discard_until is not None:  # `skip_batches` after a rollback
+            if self._now < self._discard_until:
+                return  # batches to discard still run
+            self._discard_until = None
+            self._restore()  # undoes them
+            self._reset_metrics(self._now, restored=True)
+        self._poll_counters(steps, step_seconds, force=False)
+        if snapshot and self._started and not events and not self._stopping:
+            with self._lock:
+                clean = self._watch.leave_out_until <= self._now
+            if clean:
+                self._maybe_snapshot(steps, step_seconds)
+
     def _keep_final_state(self) -> None:
         """Makes the state `fit` returns the rollback point (and writes it to
         `directory`) if it is finite: nothing comes after it to prove it."""
-        if self._pending is not None and self._pending.step == self._step:
-            self._keep(self._pending)  # taken at the end of the last epoch
+        if self._pendings and self._pendings[-1].step == self._now:
+            self._keep(self._pendings[-1])  # taken (and read) at the epoch end
             return
-        snapshots.sync_from_device(self.model)
-        snap, _ = snapshots.take(
-            self.model, epoch=self._epoch + 1, step=self._step, into=self._reusable()
-        )
+        snap, _ = self._capture(verify=True)
         if snap is not None:
+            snap.epoch = self._epoch + 1
             self._keep(snap)
 
-    # -------------------------------------------------------------- signals
-    def _check_counters(self, force: bool, logs: dict | None = None) -> tuple[int, int]:
-        """New rejections since the last read, and the first step they may
-        belong to. A step of an attached SafeOptimizer logs its total, which
-        is exact and costs no read; otherwise the counters are read only when
-        due (or forced), see `check_every`."""
-        if logs is not None and "nanguard_rejected_steps" in logs:
-            rejected = int(logs["nanguard_rejected_steps"])
-            new, since = rejected - self._rejected_seen, self._checked_at + 1
-            self._rejected_seen, self._checked_at = rejected, self._step - 1
-            return new, since
-        due = self._checks.due(self._step_seconds, self._batch_steps)
-        if self._safe is None or not (force or due):
-            return 0, self._batch_step
-        start = time.perf_counter()
-        snapshots.sync_from_device(self.model)
-        rejected = self._read_rejected()
-        new = rejected - self._rejected_seen
-        since = self._checked_at + 1
-        self._rejected_seen, self._checked_at = rejected, self._step - 1
-        self._checks.done(time.perf_counter() - start)
-        return new, since
-
-    def _read_rejected(self) -> int:
-        # The caller syncs JAX state first; `.value` avoids the slow
-        # KerasVariable.__array__ path.
-        if self._safe is None:
-            return 0
-        value = self._safe.skipped_steps.value
-        if keras.backend.backend() == "tensorflow":
-            value = value.numpy()  # also a MirroredVariable's (int() is not)
-        return int(value)
-
-    def _on_rejection(
-        self, batch: int, logs: dict, bad_logs: list[str], count: int, since: int
-    ) -> None:
-        safe = self._safe
-        c = safe.counters()
-        if bad_logs and count == 1:  # a step of this execution
-            since = self._batch_step
-        plural = "s" if count > 1 else ""
-        last = self._step - 1
-        when = "" if since >= last else f" in steps {since}-{last}"
-        detail = (
-            f"SafeOptimizer rejected {count} step{plural}{when}: "
-            f"{safe.describe_last_rejection()}; nothing was applied."
-        )
-        if bad_logs:
-            detail = _describe_logs(logs, bad_logs) + " " + detail
-        halted = (
-            safe.max_consecutive_skips is not None
-            and c["consecutive_skips"] >= safe.max_consecutive_skips
-        )
-        kind = "halted" if halted else "rejected_step"
-        self._record(
-            batch, kind, detail, logs, [], grad_norm=c["rejected_grad_norm"], step=since
-        )
-        if halted or c["consecutive_skips"] >= self.max_rejections:
-            self._trouble()
-
-    # ------------------------------------------------------------ incidents
-    def _record(
-        self, batch, kind, detail, logs, variables, grad_norm=None, step=None
-    ) -> None:
-        """Opens an incident, or extends the open one. `batch` is the first
-        batch (in the epoch) of the current execution, -1 at an epoch end."""
-        loss = logs.get("loss")
-        if self._open is not None and batch >= 0:
-            inc = self._open  # the same episode goes on
-            inc.steps += self._batch_steps
-            inc.variables = sorted(set(inc.variables) | set(variables))
-            if kind not in ("rejected_step", "nonfinite_metric"):
-                inc.kind, inc.detail = kind, detail
-            return
-        if step is None:
-            step = self._batch_step if batch >= 0 else self._step
-        inc = Incident(
-            fit=self._fit,
-            epoch=self._epoch,
-            step=step,
-            batch=batch,
-            kind=kind,
-            detail=detail,
-            steps=self._batch_steps if batch >= 0 else 1,
-            loss=None if loss is None else float(loss),
-            grad_norm=grad_norm,
-            variables=list(variables),
-        )
-        if self.replay is not None and batch >= 0:
-            inc.batch_data, bad = _replay.batches(
-                self.replay, self.batch_size, batch, batch + self._batch_steps - 1
-            )
-            if bad is not None and step == self._batch_step:  # the bad one is known
-                inc.batch, inc.step, inc.steps = bad, step + bad - batch, 1
-        self.incidents.append(inc)
-        self._open = inc if batch >= 0 else None
-        if inc.batch_data is not None:
-            diagnose_batch(inc, self.model)
-        if self.verbose:
-            _LOG.warning("NaNGuard: %s", inc)
-        self._write_report()
-
-    def _trouble(self) -> None:
-        inc = self.incidents[-1]
-        if self.policy == "warn":
-            if inc.action != "warned":  # once per incident, not per batch
-                inc.action = "warned"
-                warnings.warn(f"NaNGuard: {inc}", stacklevel=2)
-            return
-        if self._pending is not None:  # taken after the last healthy batch
-            self._spare, self._pending = self._pending, None
-        if self.snapshot is None:  # see `_start`
-            inc.action = "raised NonFiniteError: no good state to restore"
-            self._write_report()
-            raise NonFiniteError(
-                f"NaNGuard: {inc} The first step made the model non-finite and "
-                "there is no earlier good state: the model was built by `fit`, "
-                "so NaNGuard could take its first snapshot only after that "
-                "step. Build the model before `fit` (`keras.Input` or "
-                "`model.build(input_shape)`), or use a SafeOptimizer.",
-                report=self.report(),
-            )
-        snapshots.restore(self.model, self.snapshot)
-        self._at_snapshot = True
-        where = f"restored the snapshot of epoch {self.snapshot.epoch}, step {self.snapshot.step}"
-        if self.policy == "raise":
-            inc.action = where + ", raised NonFiniteError"
-            self._write_report()
-            raise NonFiniteError(f"NaNGuard: {inc}", report=self.report())
-        if self.policy == "rollback" and self._rollbacks_since_snapshot < self.patience:
-            self.rollbacks += 1
-            self._rollbacks_since_snapshot += 1
-            inc.action = "rolled back: " + where
-            lr = self._lower_learning_rate()
-            if lr is not None:
-                inc.learning_rate = lr
-                inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
-                self._save(self.snapshot)  # the rate to go on with
-            if self.skip_batches:
-                self._skip_left = self.skip_batches
-                inc.action += f", discarding the next {self.skip_batches} batches"
-            return
-        self.model.stop_training = True
-        inc.action = where + ", stopped training"
-        if self.policy == "rollback":
-            inc.action += (
-                f" after {self._rollbacks_since_snapshot} rollbacks without recovery"
-            )
-
-    def _lower_learning_rate(self) -> tuple[float, float] | None:
-        lr = self.model.optimizer.learning_rate
-        if self.lr_factor == 1 or not isinstance(lr, keras.Variable):
-            return None
-        old = float(keras.ops.convert_to_numpy(lr))
-        lr.assign(old * self.lr_factor)
-        return old, float(keras.ops.convert_to_numpy(lr))
+    def _publish(self, logs: dict) -> None:
+        logs["nanguard_incidents"] = len(self.incidents)
+        logs["nanguard_rollbacks"] = self.rollbacks
+        if self._safe is not None:  # an attached step logs its own, exactly
+            logs.setdefault(REJECTED, self._watch.rejected)
 
     def report(self) -> dict[str, Any]:
         """Everything NaNGuard saw, as a JSON-ready dict.
@@ -597,78 +480,6 @@ class NaNGuard(keras.callbacks.Callback):
     def _write_report(self) -> None:
         if self.report_path is not None:
             write_json(self.report_path, self.report())
-
-    # ------------------------------------------------------------ snapshots
-    def _reusable(self) -> snapshots.Snapshot | None:
-        # Buffers a new snapshot may overwrite: never the rollback point.
-        spare = self._pending or self._spare
-        self._pending = self._spare = None
-        return spare
-
-    def _keep(self, snap: snapshots.Snapshot) -> None:
-        """Makes `snap` the rollback point."""
-        if self.snapshot is not None and self.snapshot is not snap:
-            self._spare = self.snapshot
-        self.snapshot, self._pending = snap, None
-        self.snapshots_taken += 1
-        self._rollbacks_since_snapshot = 0
-        snap.seconds += self._save(snap)
-        self._snapshots.done(snap.seconds)
-
-    def _save(self, snap: snapshots.Snapshot) -> float:
-        """Writes the rollback point to `directory`, with the learning rate
-        training goes on with; returns the seconds it took."""
-        if self.directory is None:
-            return 0.0
-        start = time.perf_counter()
-        snapshots.sync_from_device(self.model)
-        snap.learning_rate = snapshots.learning_rate(self.model)
-        snapshots.save(snap, self.directory)
-        return time.perf_counter() - start
-
-    def _maybe_snapshot(self, batch: int) -> None:
-        if not self._snapshots.due(self._step_seconds, self._batch_steps):
-            return
-        snapshots.sync_from_device(self.model)
-        snap, bad = snapshots.take(
-            self.model, epoch=self._epoch, step=self._step, into=self._reusable()
-        )
-        if snap is None:
-            self._record(
-                batch, "nonfinite_weights", "found while taking a snapshot.", {}, bad
-            )
-            self._trouble()
-        else:
-            self._pending = snap
-
-    def _time_step(self, steps: int) -> None:
-        now = time.perf_counter()
-        if self._last_time is not None:
-            dt = (now - self._last_time) / steps
-            self._step_seconds = (
-                dt
-                if self._step_seconds is None
-                else (0.9 * self._step_seconds + 0.1 * dt)
-            )
-        self._last_time = now
-
-    # --------------------------------------------------------------- logs
-    def _keep_in(self, logs: dict) -> None:
-        self._figures.keep(logs, self._batch_steps)
-
-    def _leave_out(self, logs: dict, keys: list[str] | None = None) -> None:
-        """Leaves this execution's batches out of the epoch's figures (those in
-        `keys`, or all); Keras's metric states, which include them, start
-        afresh."""
-        self._figures.leave_out(logs, keys, self._batch_steps)
-        snapshots.sync_from_device(self.model)
-        self.model.reset_metrics()
-
-    def _publish(self, logs: dict) -> None:
-        logs["nanguard_incidents"] = len(self.incidents)
-        logs["nanguard_rollbacks"] = self.rollbacks
-        if self._safe is not None:  # an attached step logs its own, exactly
-            logs.setdefault("nanguard_rejected_steps", self._rejected_seen)
 
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
@@ -709,9 +520,3 @@ class NaNGuard(keras.callbacks.Callback):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> NaNGuard:
         return cls(**config)
-
-
-# ------------------------------------------------------------------ helpers
-def _describe_logs(logs: dict, bad: list[str]) -> str:
-    shown = ", ".join(f"{k}={logs[k]}" for k in bad)
-    return f"non-finite {shown} in this batch."

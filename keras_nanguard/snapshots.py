@@ -1,8 +1,11 @@
 """Last-known-good snapshots of a model and its optimizer, in memory or on disk.
 
-A snapshot holds host copies of every model weight (trainable and not) and
-every optimizer variable, taken only when all of them are finite. Written to
-disk, it goes to a temporary file in the same directory which is then renamed
+A snapshot holds copies of every model weight (trainable and not) and every
+optimizer variable, kept only when all of them are finite. `capture` copies
+them on the device (JAX, torch, when the device has room: at memory speed,
+without waiting for the steps in flight) and checks their finiteness there;
+`verify` reads that one flag later. `take` copies them to the host and checks
+them at once (TensorFlow, or no room on the device). Written to disk, it goes to a temporary file in the same directory which is then renamed
 over the previous one, so a crash mid-write leaves the previous snapshot
 loadable.
 """
@@ -20,6 +23,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard.numerics import all_finite
 from keras_nanguard.safe_optimizer import find_safe_optimizer
 
 SNAPSHOT_FILE = "nanguard_snapshot.npz"
@@ -72,9 +76,10 @@ def learning_rate(model: keras.Model) -> float | None:
 
 @dataclasses.dataclass
 class Snapshot:
-    """Host copies of a model's weights and optimizer variables.
+    """Copies of a model's weights and optimizer variables.
 
-    The first `n_weights` values are the model's weights (`model.weights`),
+    `values` are host arrays, or device arrays when `finite` is set: the
+    device flag of their finiteness, not yet read (see `verify`). The first `n_weights` values are the model's weights (`model.weights`),
     the rest its optimizer's variables. `learning_rate` is the optimizer's
     learning rate to go on with (`None` with a schedule): NaNGuard keeps it
     current when it lowers the rate, and `NaNGuard.restore` sets it.
@@ -87,10 +92,13 @@ class Snapshot:
     seconds: float = 0.0
     n_weights: int | None = None
     learning_rate: float | None = None
+    finite: Any = dataclasses.field(default=None, repr=False)
+    on_device: bool = False
+    lr_index: int | None = dataclasses.field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.values)
+        return sum(int(v.nbytes) for v in self.values)
 
 
 def host_view(v: Any) -> np.ndarray:
@@ -178,6 +186,117 @@ def take(
     return snap, []
 
 
+def capture(
+    model: keras.Model, epoch: int, step: int, into: Snapshot | None = None
+) -> tuple[Snapshot | None, list[str] | None]:
+    """A snapshot, copied on the device where it fits, else by `take`.
+
+    Returns `take`'s answer for a host snapshot; for a device one
+    `(snapshot, None)`: its finiteness is known only after `verify`. With
+    `into` (torch) its device buffers are overwritten instead of allocated.
+    The caller syncs JAX state first.
+    """
+    backend = keras.backend.backend()
+    variables = _tracked(model)
+    if backend not in ("jax", "torch") or not _device_room(variables):
+        host_into = into if into is not None and not into.on_device else None
+        return take(model, epoch, step, into=host_into)
+    start = time.perf_counter()
+    names = [variable_name(v) for v in variables]
+    reuse = (
+        backend == "torch"
+        and into is not None
+        and into.on_device
+        and into.names == names
+        and all(
+            a.shape == v.value.shape and a.dtype == v.value.dtype
+            for a, v in zip(into.values, variables, strict=True)
+        )
+    )
+    if reuse:
+        for buffer, v in zip(into.values, variables, strict=True):
+            buffer.copy_(v.value.detach())
+        values = into.values
+    else:
+        values = [_device_copy(v.value) for v in variables]
+    skip = _unchecked(model)
+    checked = [x for v, x in zip(variables, values, strict=True) if id(v) not in skip]
+    snap = Snapshot(values, names, epoch, step, n_weights=len(model.weights))
+    snap.finite, snap.on_device = all_finite(checked), True
+    lr = _learning_rate_variable(model)
+    snap.lr_index = next((i for i, v in enumerate(variables) if v is lr), None)
+    snap.seconds = time.perf_counter() - start
+    return snap, None
+
+
+def verify(snap: Snapshot) -> list[str]:
+    """Reads a device snapshot's finiteness flag (once); returns the names of
+    its non-finite values (none for a host snapshot, checked when taken)."""
+    if snap.finite is None:
+        return []
+    start = time.perf_counter()
+    ok = bool(keras.ops.convert_to_numpy(snap.finite))
+    snap.finite = None
+    if snap.lr_index is not None:  # read with the flag
+        snap.learning_rate = float(_to_host(snap.values[snap.lr_index]))
+    snap.seconds += time.perf_counter() - start
+    if ok:
+        return []
+    return [
+        n
+        for n, x in zip(snap.names, snap.values, strict=True)
+        if not host_finite(_to_host(x))
+    ]
+
+
+def _device_copy(value: Any) -> Any:
+    if keras.backend.backend() == "jax":
+        import jax.numpy as jnp
+
+        return jnp.array(value, copy=True)  # a new buffer: the step donates its own
+    return value.detach().clone()
+
+
+def _device_room(variables: list[keras.Variable]) -> bool:
+    """Whether the device can hold three more copies of the state (the
+    rollback point, a new snapshot, a spare) with a quarter of it left free."""
+    need = 3 * sum(
+        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables
+    )
+    backend = keras.backend.backend()
+    try:
+        if backend == "torch":
+            import torch
+
+            value = variables[0].value if variables else None
+            if value is None or value.device.type != "cuda":
+                return True  # host memory: as for a host snapshot
+            free, total = torch.cuda.mem_get_info(value.device)
+            return need < free - total // 4
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return True  # CPU
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return need < free - stats["bytes_limit"] // 4
+    except Exception:  # no figures: the host is the safe place
+        return False
+
+
+def _to_host(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach"):  # torch (on the CPU, shares memory)
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def host_values(snap: Snapshot) -> list[np.ndarray]:
+    """Copies of the snapshot's values on the host."""
+    return [np.array(_to_host(v), copy=True) for v in snap.values]
+
+
 def restore(model: keras.Model, snapshot: Snapshot) -> None:
     """Writes `snapshot` back into the model and its optimizer.
 
@@ -199,9 +318,16 @@ def _assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> No
     lr = _learning_rate_variable(model)
     if lr is not None:
         keep.add(id(lr))
+    copy = keras.backend.backend() == "jax"
     for v, value in zip(variables, values, strict=True):
         if id(v) not in keep:
-            v.assign(value)
+            # JAX keeps an assigned array as is, and the next step donates
+            # it: a device snapshot must lend a copy.
+            v.assign(
+                _device_copy(value)
+                if copy and not isinstance(value, np.ndarray)
+                else value
+            )
 
 
 def load_into(model: keras.Model, directory: str | os.PathLike) -> Snapshot:
@@ -262,7 +388,7 @@ def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
             np.savez(
                 f,
                 __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                **{f"v{i}": v for i, v in enumerate(snapshot.values)},
+                **{f"v{i}": _to_host(v) for i, v in enumerate(snapshot.values)},
             )
             f.flush()
             os.fsync(f.fileno())

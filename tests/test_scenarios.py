@@ -7,7 +7,8 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
-from tests.helpers import all_finite
+from keras_nanguard import nan_guard
+from tests.helpers import BACKEND, all_finite
 
 EPOCHS = 16
 BAD = {5: "nan", 27: "inf"}  # 2 of 40 batches (5%), NaN/inf in inputs and labels
@@ -82,4 +83,8 @@ def test_poisoned_batches_and_a_learning_rate_spike(digits):
     assert len(guard.incidents) == len(BAD) * EPOCHS + 1
     rolled = [i for i in guard.incidents if i.action.startswith("rolled back")]
     assert len(rolled) == 1 and rolled[0].step == SPIKE_STEP + 1
-    assert rolled[0].steps == 3  # the three rejected steps after the spike
+    # The three rejected steps after the spike; with batch ends in a worker
+    # thread (JAX, torch) the rollback comes at a later batch begin, at most
+    # `_MAX_LAG` batches late, and the steps rejected meanwhile join it.
+    lag = 0 if BACKEND == "tensorflow" else nan_guard._MAX_LAG
+    assert 3 <= rolled[0].steps <= 3 + lag

@@ -1,0 +1,144 @@
+"""NaNGuard's batch-end side: reads a batch's logs, keeps the figures and
+queues what needs the model.
+
+It runs where Keras runs `on_train_batch_end`: in Keras's callback worker
+threads on JAX and PyTorch (the logs already Python numbers), on the
+training thread on TensorFlow. It never touches the model: on JAX the
+variables are stale during `fit` and the step's buffers are donated.
+Whatever needs the model is queued as an `Event` for the training thread
+(`NaNGuard._act`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import time
+from typing import Any
+
+from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
+
+REJECTED = "nanguard_rejected_steps"
+
+
+@dataclasses.dataclass
+class Event:
+    """A batch (an execution) that needs the training thread's attention."""
+
+    kind: str  # "bad_figures" or "rejection"
+    epoch: int
+    batch: int  # the execution's first batch in the epoch
+    step: int  # its first step in this fit
+    steps: int
+    logs: dict[str, Any]
+    bad_logs: list[str]
+    rejections: int = 0
+    run: int = 0  # steps rejected in a row, up to this one
+    continues: bool = False  # the execution before was bad too
+
+
+class BatchWatch:
+    """The per-fit state of the batch-end side. Its caller holds NaNGuard's
+    lock around every method, and calls `end` in batch order."""
+
+    def __init__(self, rejected: int, consecutive: int) -> None:
+        self.rejected = rejected  # a SafeOptimizer's total, as last logged
+        self.run = consecutive
+        self.counts_rejections = False  # the logs carry the exact total
+        self.steps_done = 0  # steps seen in this fit
+        self.events: list[Event] = []
+        self.healthy_step = -1  # first step of the last healthy execution
+        self.step_seconds: float | None = None
+        self.reset_at: int | None = None  # Keras's metrics reset before this step
+        self.run_reset_at: int | None = None  # the streak restarts at this step
+        self.leave_out_until = 0  # steps before it are left out of the figures
+        self._last_time: float | None = None
+        self._bad_before = False
+        self.begin_epoch(0, 0)
+
+    def begin_epoch(self, epoch: int, base: int) -> None:
+        self.epoch, self.base = epoch, base
+        self.figures = EpochFigures()
+        self.begins: list[int] = []  # batches begun in this epoch
+        self.next_batch = 0
+        self.reset_at = None
+
+    def first_of(self, batch: int, k: int) -> int:
+        """The first batch of the execution that ended at `batch`."""
+        i = bisect.bisect_right(self.begins, batch)
+        return self.begins[i - 1] if i else max(0, batch - k + 1)
+
+    def end(self, first: int, last: int, logs: dict) -> None:
+        """Reads the logs of the execution of batches `first`..`last`."""
+        steps = last - first + 1
+        step = self.base + first
+        self.next_batch = last + 1
+        self.steps_done = step + steps
+        self._time(steps)
+        if self.reset_at is not None and step >= self.reset_at:
+            self.figures.reset()
+            self.reset_at = None
+        new = 0
+        if REJECTED in logs:
+            self.counts_rejections = True
+            rejected = int(logs[REJECTED])
+            new, self.rejected = rejected - self.rejected, rejected
+        if self.run_reset_at is not None and step >= self.run_reset_at:
+            self.run, self.run_reset_at = 0, None
+        self.run = self.run + steps if new == steps else new
+        # A tainted figure's running mean holds a batch already left out.
+        tainted = self.figures.tainted
+        bad_logs = sorted(
+            k for k, v in logs.items() if nonfinite(v) and k not in tainted
+        )
+        seen = {k: v for k, v in logs.items() if k == "loss" or k in bad_logs}
+        bad_loss = any(is_loss(k) for k in bad_logs)
+        # An attached step leaves a rejected batch out of Keras's metrics.
+        counted = steps - new if self.counts_rejections else steps
+        leave_out: list[str] | bool = bad_loss or bad_logs
+        if step < self.leave_out_until:  # before a rollback, or discarded
+            leave_out = True
+        self.figures.add(logs, counted, leave_out)
+        if not (bad_logs or new):
+            self._bad_before = False
+            if step >= self.leave_out_until:
+                self.healthy_step = step
+            return
+        self.events.append(
+            Event(
+                "rejection" if new else "bad_figures",
+                self.epoch,
+                first,
+                step,
+                steps,
+                seen,
+                bad_logs,
+                rejections=new,
+                run=self.run,
+                continues=self._bad_before,
+            )
+        )
+        self._bad_before = True
+        if bad_loss and not self.counts_rejections:  # the weights may be bad
+            self.leave_out_until = math.inf
+
+    def _time(self, steps: int) -> None:
+        now = time.perf_counter()
+        if self._last_time is not None:
+            dt = (now - self._last_time) / steps
+            old = self.step_seconds
+            self.step_seconds = dt if old is None else 0.9 * old + 0.1 * dt
+        self._last_time = now
+
+    def metrics_reset(
+        self, step: int, leave_out_until: float, restored: bool = False
+    ) -> None:
+        """Keras's metric states were reset before `step`; batches before
+        `leave_out_until` are left out of the figures; `restored`: the
+        snapshot was restored there, which resets a SafeOptimizer's streak
+        of rejected steps."""
+        self.reset_at = step
+        self.leave_out_until = leave_out_until
+        if restored:
+            self.run_reset_at = step

@@ -1,0 +1,139 @@
+"""NaNGuard never forces a per-step sync: Keras dispatches its batch ends
+asynchronously, it reads nothing from the device between snapshots, and its
+incidents stay exact."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+import keras_nanguard as ng
+from keras_nanguard import nan_guard, snapshots
+from tests.helpers import BACKEND, assert_bit_identical, numpy
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    return x, (x @ rng.normal(size=(6, 1))).astype("float32")
+
+
+def _model(optimizer):
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+@pytest.mark.skipif(
+    BACKEND == "tensorflow", reason="Keras dispatches in line on TensorFlow"
+)
+def test_batch_ends_run_in_keras_worker_thread(monkeypatch):
+    guard = ng.NaNGuard(verbose=0)
+    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
+    assert keras.callbacks.CallbackList([guard], model=model)._async_train
+    threads = []
+    original = nan_guard.NaNGuard.on_train_batch_end
+
+    def recording(self, batch, logs=None):
+        threads.append(threading.get_ident())
+        return original(self, batch, logs)
+
+    monkeypatch.setattr(nan_guard.NaNGuard, "on_train_batch_end", recording)
+    x, y = _data(128)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[guard])
+    assert len(threads) == 16
+    assert threading.get_ident() not in threads
+
+
+def test_no_device_read_per_step_between_snapshots(monkeypatch):
+    calls = {"sync": 0, "counters": 0}
+    inside = []  # set while NaNGuard's batch hooks run
+    sync, counters = snapshots.sync_from_device, ng.SafeOptimizer.counters
+
+    def counting_sync(model):
+        calls["sync"] += bool(inside)
+        return sync(model)
+
+    def counting_counters(self, *args, **kwargs):
+        calls["counters"] += bool(inside)
+        return counters(self, *args, **kwargs)
+
+    def hooked(name):
+        original = getattr(nan_guard.NaNGuard, name)
+
+        def hook(self, *args, **kwargs):
+            inside.append(name)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside.pop()
+
+        return hook
+
+    monkeypatch.setattr(snapshots, "sync_from_device", counting_sync)
+    monkeypatch.setattr(ng.SafeOptimizer, "counters", counting_counters)
+    for name in ("on_train_batch_begin", "on_train_batch_end"):
+        monkeypatch.setattr(nan_guard.NaNGuard, name, hooked(name))
+    guard = ng.NaNGuard(verbose=0, snapshot_every=10, check_every=1)
+    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
+    x, y = _data(640)  # 40 steps
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[guard])
+    assert guard.incidents == []
+    # One sync per snapshot (due at steps 10, 20, 30, and at 40 where the
+    # batch end runs on the training thread), none otherwise; the counters
+    # are never read: every step logs the exact total.
+    expected = 4 if BACKEND == "tensorflow" else 3
+    assert calls == {"sync": expected, "counters": 0}
+    assert guard.snapshots_taken >= 3  # the first, then the proven ones
+
+
+def test_incidents_equal_injected_faults_at_their_exact_steps():
+    x, y = _data(256)  # 16 steps
+    # NaN targets: a NaN loss; an infinite learning rate: a finite loss with
+    # a non-finite update. Both are rejected, both are one incident each.
+    data = ng.faults.PoisonedBatches(
+        x, y, batch_size=16, bad_batches=[2, 9], target="y"
+    )
+    spike = ng.faults.LearningRateSpike(at_steps=[5, 13], factor=float("inf"))
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
+    guard = ng.NaNGuard(verbose=0)
+    model = _model(opt)
+    model.fit(data, verbose=0, shuffle=False, callbacks=[spike, guard])
+    found = [(i.kind, i.step, i.batch, i.steps) for i in guard.incidents]
+    assert found == [("rejected_step", s, s, 1) for s in (2, 5, 9, 13)]
+    assert int(opt.skipped_steps) == 4
+    assert "update would have made" in guard.incidents[1].detail
+
+
+def test_plain_optimizer_rollback_restores_the_snapshot_bit_identical():
+    x, y = _data(256)
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[7], target="y")
+    guard = ng.NaNGuard(verbose=0, snapshot_every=2, lr_factor=1.0)
+
+    class AtRollback(keras.callbacks.Callback):
+        """Listed after NaNGuard: the state right after its rollback."""
+
+        seen = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if guard.rollbacks > self.seen and not hasattr(self, "state"):
+                self.seen = guard.rollbacks
+                self.state = numpy(self.model.weights + self.model.optimizer.variables)
+                self.snapshot = snapshots.host_values(guard.snapshot)
+
+    probe = AtRollback()
+    model = _model(keras.optimizers.Adam(0.01))
+    model.fit(data, verbose=0, shuffle=False, callbacks=[guard, probe])
+    assert guard.rollbacks == 1 and guard.incidents[0].step == 7
+    assert guard.snapshot is not None and probe.snapshot is not None
+    lr = [v is model.optimizer.learning_rate for v in model.optimizer.variables]
+    keep = [True] * len(model.weights) + [not x for x in lr]
+    pick = lambda values: [v for v, k in zip(values, keep, strict=True) if k]  # noqa: E731
+    assert_bit_identical(pick(probe.snapshot), pick(probe.state), "state")
