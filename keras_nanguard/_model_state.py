@@ -171,8 +171,14 @@ class ModelStateMixin:
             def train_step(data: Any) -> Any:
                 build_for(model, data)
                 state = forward_state(model) + model.metrics_variables
-                with self._guard(model, state):
-                    logs = original(data)
+                # In `fit` a halt is NaNGuard's to act on (or warned at the
+                # end), as in compiled steps: not raised from `apply`.
+                self._plans.in_fit = True
+                try:
+                    with self._guard(model, state):
+                        logs = original(data)
+                finally:
+                    self._plans.in_fit = False
                 return self._step_logs(model, logs)
 
         train_step._nanguard_optimizer = self  # type: ignore[attr-defined]

@@ -259,6 +259,7 @@ class _Plans:
         self.cache: dict[tuple, _Plan] = {}
         self.buffers: dict[tuple, tuple[list, list]] = {}
         self.steps = 0  # calls of `apply`, so `transaction` can tell one ran
+        self.in_fit = False  # inside an attached `fit` step
 
     def rollback_buffers(self, state: list[keras.Variable]) -> list | None:
         """torch, eager: host-side buffers the rollback snapshot is copied

@@ -122,9 +122,10 @@ class SafeOptimizer(
             steps in a row the optimizer halts: it rejects every further step
             (it never gives up and applies a bad update) and raises
             `keras_nanguard.NonFiniteError` at the next point where it runs
-            on the host: at once in eager steps (custom loops, the torch
-            backend, `run_eagerly=True`), or when you call `check_halted()`.
-            In compiled `model.fit` steps, a `NaNGuard` treats the halt as
+            on the host: at once in eager custom loops and in `fit` steps of
+            an optimizer that is not attached (torch, `run_eagerly=True`), or
+            when you call `check_halted()`. In `fit` steps of an attached
+            optimizer and in compiled ones, a `NaNGuard` treats the halt as
             trouble and follows its policy (its rollback resets the streak);
             without one, `fit` warns when it ends. Defaults to `None`.
         spike_sigma: float > 0 or `None`. If set, a step whose raw global
@@ -380,8 +381,10 @@ class SafeOptimizer(
             # JAX: under a keras.distribution the step is one SPMD program whose
             # gradients are already global, so every device decides alike.
             self._transaction(grads, trainable_variables)
-        if self.max_consecutive_skips is not None and step_ops.executing_eagerly(
-            self.consecutive_skips
+        if (
+            self.max_consecutive_skips is not None
+            and not self._plans.in_fit
+            and step_ops.executing_eagerly(self.consecutive_skips)
         ):
             self.check_halted()
 

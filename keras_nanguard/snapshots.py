@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_nanguard.numerics import all_finite
+from keras_nanguard.ops import all_finite
 from keras_nanguard.safe_optimizer import find_safe_optimizer
 
 SNAPSHOT_FILE = "nanguard_snapshot.npz"

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
+from keras_nanguard.nan_guard import _MAX_LAG
+from tests.helpers import BACKEND
 
 
 def _model(optimizer):
@@ -58,6 +60,15 @@ def test_optimizer_limit_first_halts_and_nan_guard_treats_the_halt():
     assert [i.kind for i in guard.incidents] == ["halted"]
     assert guard.rollbacks == 1
     # The rollback restored the snapshot of step 0 (iterations 0) and with
-    # it the streak: the 6 clean batches after the halt were applied.
-    assert opt.counters()["consecutive_skips"] == 0
-    assert int(opt.iterations) == 6
+    # it the streak. It comes at the next batch begin NaNGuard reaches: at
+    # once where Keras calls batch ends in line (TensorFlow), up to
+    # _MAX_LAG batches later where they run in its worker thread; batches
+    # in between meet the halted optimizer and are rejected. Every one of
+    # the 8 clean batches is either applied after the rollback or rejected.
+    c = opt.counters()
+    assert c["consecutive_skips"] == 0
+    late = c["skipped_steps"] - 2
+    assert 0 <= late <= _MAX_LAG
+    if BACKEND == "tensorflow":
+        assert late == 0
+    assert int(opt.iterations) == 6 - late
