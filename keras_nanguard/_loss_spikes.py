@@ -2,7 +2,7 @@
 
 Keras logs the loss as a running mean over the batches since its metric
 states were last reset; a batch's own loss is recovered from two
-consecutive running means, `n·m_n − (n−1)·m_{n−1}` (per batch: exact for
+consecutive running means, `n·m_n - (n-1)·m_{n-1}` (per batch: exact for
 equal batch sizes; a smaller last batch is pulled toward the mean, which
 can only weaken its signal, never raise a false alarm).
 """

@@ -60,15 +60,20 @@ def _train(digits, spike, guard=None):
     if spike:
         steps = [SPIKE, SPIKE + 1, SPIKE + 2]
         callbacks.append(ng.faults.LearningRateSpike(at_steps=steps, factor=100))
-    model.fit(x, y, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0,
-              callbacks=callbacks)
+    model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
     return float(model.evaluate(x, y, verbose=0)), record.losses
 
 
 def _guard():
-    return ng.NaNGuard(
-        loss_spike_sigma=6, lr_factor=1.0, snapshot_every=10, verbose=0
-    )
+    return ng.NaNGuard(loss_spike_sigma=6, lr_factor=1.0, snapshot_every=10, verbose=0)
 
 
 def test_loss_spike_rolls_back_to_before_the_spike(digits):
@@ -150,5 +155,3 @@ def test_config_round_trip(tmp_path):
     assert isinstance(revived, ng.NaNGuard)
     assert revived.get_config() == config
     assert ng.NaNGuard().get_config()["loss_spike_sigma"] is None
-
-
