@@ -35,6 +35,8 @@ class Responses:
     def _handle(self, ev: Event) -> None:
         if ev.kind == "rejection":
             self._on_rejection(ev)
+        elif ev.kind == "loss_spike":
+            self._on_loss_spike(ev)
         elif ev.step >= self._resumed_at:  # else it ran on a state since undone
             self._on_bad_figures(ev)
 
@@ -54,6 +56,21 @@ class Responses:
         if variables:
             self._trouble()
         else:  # Keras's running means hold the bad batch: start them afresh
+            self._reset_metrics(self._now)
+
+    def _on_loss_spike(self, ev: Event) -> None:
+        """A confirmed loss spike: trouble. The rollback point predates the
+        streak (no snapshot is promoted while a streak is open, and
+        `_trouble` drops the pending ones: the PaLM recipe)."""
+        if ev.step < self._resumed_at:  # it ran on a state since undone
+            with self._lock:  # undo the worker's hold on the figures
+                if self._watch.leave_out_until == math.inf:
+                    self._watch.leave_out_until = self._now
+            return
+        self._open = None  # a new episode, whatever came before
+        self._record(ev, "loss_spike", ev.spike.describe(self.loss_spike_sigma), [])
+        self._trouble()
+        if self.policy == "warn":  # training goes on with the state as it is
             self._reset_metrics(self._now)
 
     def _on_rejection(self, ev: Event) -> None:

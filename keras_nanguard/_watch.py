@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
+from keras_nanguard._loss_spikes import LossSpikes, Spike
 
 REJECTED = "nanguard_rejected_steps"
 
@@ -26,7 +27,7 @@ REJECTED = "nanguard_rejected_steps"
 class Event:
     """A batch (an execution) that needs the training thread's attention."""
 
-    kind: str  # "bad_figures" or "rejection"
+    kind: str  # "bad_figures", "rejection" or "loss_spike"
     epoch: int
     batch: int  # the execution's first batch in the epoch
     step: int  # its first step in this fit
@@ -36,13 +37,17 @@ class Event:
     rejections: int = 0
     run: int = 0  # steps rejected in a row, up to this one
     continues: bool = False  # the execution before was bad too
+    spike: Spike | None = None  # what a "loss_spike" event found
 
 
 class BatchWatch:
     """The per-fit state of the batch-end side. Its caller holds NaNGuard's
     lock around every method, and calls `end` in batch order."""
 
-    def __init__(self, rejected: int, consecutive: int) -> None:
+    def __init__(
+        self, rejected: int, consecutive: int, spikes: LossSpikes | None = None
+    ) -> None:
+        self.spikes = spikes  # loss-spike detection, when NaNGuard has it on
         self.rejected = rejected  # a SafeOptimizer's total, as last logged
         self.run = consecutive
         self.counts_rejections = False  # the logs carry the exact total
@@ -63,6 +68,8 @@ class BatchWatch:
         self.begins: list[int] = []  # batches begun in this epoch
         self.next_batch = 0
         self.reset_at = None
+        if self.spikes is not None:
+            self.spikes.segment_reset()
 
     def first_of(self, batch: int, k: int) -> int:
         """The first batch of the execution that ended at `batch`."""
@@ -79,6 +86,8 @@ class BatchWatch:
         if self.reset_at is not None and step >= self.reset_at:
             self.figures.reset()
             self.reset_at = None
+            if self.spikes is not None:
+                self.spikes.segment_reset()
         new = 0
         if REJECTED in logs:
             self.counts_rejections = True
@@ -99,10 +108,14 @@ class BatchWatch:
         leave_out: list[str] | bool = bad_loss or bad_logs
         if step < self.leave_out_until:  # before a rollback, or discarded
             leave_out = True
+        before, raw = self.figures.since_reset, logs.get("loss")
         self.figures.add(logs, counted, leave_out)
+        loss = None  # the execution's own loss, for the loss-spike detector
+        if self.spikes is not None:
+            loss = self.spikes.batch_loss(raw, before, counted)
         if not (bad_logs or new):
             self._bad_before = False
-            if step >= self.leave_out_until:
+            if step >= self.leave_out_until and not self._spiking(loss, step, steps):
                 self.healthy_step = step
             return
         self.events.append(
@@ -123,6 +136,32 @@ class BatchWatch:
         if bad_loss and not self.counts_rejections:  # the weights may be bad
             self.leave_out_until = math.inf
 
+    def _spiking(self, loss: float | None, step: int, steps: int) -> bool:
+        """Feeds a healthy execution's loss to the loss-spike detector.
+        True while a spike streak is open or confirmed: the execution is then
+        not healthy, so no snapshot taken during the streak is promoted."""
+        if self.spikes is None:
+            return False
+        found = self.spikes.see(loss, step, steps)
+        if not isinstance(found, Spike):
+            return found
+        self.events.append(
+            Event(
+                "loss_spike",
+                self.epoch,
+                max(0, found.step - self.base),
+                found.step,
+                found.steps,
+                {"loss": found.loss},
+                [],
+                spike=found,
+            )
+        )
+        # The state is bad: nothing is healthy and the figures leave the
+        # batches out until the training thread acts (`metrics_reset`).
+        self.leave_out_until = math.inf
+        return True
+
     def _time(self, steps: int) -> None:
         now = time.perf_counter()
         if self._last_time is not None:
@@ -142,3 +181,5 @@ class BatchWatch:
         self.leave_out_until = leave_out_until
         if restored:
             self.run_reset_at = step
+            if self.spikes is not None:  # a streak on the undone state ends
+                self.spikes.streak_from, self.spikes.streak = None, 0

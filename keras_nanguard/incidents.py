@@ -25,8 +25,10 @@ class Incident:
     from its first step, unless the replayed data shows which batch was bad.
     `kind` is one of `"rejected_step"` (a SafeOptimizer refused the update),
     `"halted"` (it stopped accepting any), `"nonfinite_loss"`,
-    `"nonfinite_metric"` (a metric is NaN or inf, the loss is finite) and
-    `"nonfinite_weights"`.
+    `"nonfinite_metric"` (a metric is NaN or inf, the loss is finite),
+    `"nonfinite_weights"` and `"loss_spike"` (the batch loss stayed far above
+    its rolling mean; `step` is where the streak began, `steps` its length,
+    `detail` the figures that triggered it).
     """
 
     fit: int

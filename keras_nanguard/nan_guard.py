@@ -11,8 +11,15 @@ import keras
 
 from keras_nanguard import snapshots
 from keras_nanguard._cadence import Cadence
+from keras_nanguard._loss_spikes import LossSpikes
 from keras_nanguard._responses import Responses
-from keras_nanguard._validation import check_writable, is_int, is_number
+from keras_nanguard._validation import (
+    check_int,
+    check_positive,
+    check_writable,
+    is_int,
+    is_number,
+)
 from keras_nanguard._watch import REJECTED, BatchWatch
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.incidents import Incident, write_json
@@ -80,8 +87,18 @@ class NaNGuard(Responses, keras.callbacks.Callback):
 
     What it does on *trouble*: non-finite weights or optimizer state, a
     non-finite loss with a plain optimizer (the bad update has been applied),
-    or `max_rejections` steps in a row rejected by a SafeOptimizer (the state
-    itself is drifting). A single step rejected by a SafeOptimizer is recorded
+    `max_rejections` steps in a row rejected by a SafeOptimizer (the state
+    itself is drifting), or, with `loss_spike_sigma` set, a *loss spike*
+    (incident kind `"loss_spike"`): the batch loss stays more than
+    `loss_spike_sigma` standard deviations above its mean over the last
+    `loss_spike_window` healthy batches for `loss_spike_patience` steps in a
+    row. The batch loss is recovered from Keras's running means (Python
+    numbers, no device read); the detector arms once its window is full, and
+    starts its window afresh after a spike. No snapshot taken during a
+    streak becomes the rollback point, so a rollback restores the state from
+    before the spike began (the PaLM recipe; add `skip_batches` to move past
+    the data that came with it). The batches of the streak stay in the
+    epoch's figures; those after it, until the rollback, are left out. A single step rejected by a SafeOptimizer is recorded
     but is not trouble: nothing was applied.
 
     - `"rollback"` (default): restore the snapshot, multiply the learning rate
@@ -147,6 +164,13 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             between before stopping. Defaults to 3.
         max_rejections: int >= 1: steps in a row rejected by a SafeOptimizer
             that count as trouble. Defaults to 3.
+        loss_spike_sigma: optional float > 0: how many standard deviations
+            above its rolling mean a batch loss is a spike; `None` turns
+            loss-spike detection off. Defaults to `None`.
+        loss_spike_window: int >= 2: healthy batches in the rolling mean
+            and standard deviation. Defaults to 100.
+        loss_spike_patience: int >= 1: steps in a row above the threshold
+            that make a loss spike. Defaults to 3.
         directory: optional path; each snapshot that becomes the rollback
             point is also written there, atomically, as
             `nanguard_snapshot.npz`, with the learning rate to go on with
@@ -193,6 +217,9 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         skip_batches: int = 0,
         patience: int = 3,
         max_rejections: int = 3,
+        loss_spike_sigma: float | None = None,
+        loss_spike_window: int = 100,
+        loss_spike_patience: int = 3,
         directory: str | os.PathLike | None = None,
         report_path: str | os.PathLike | None = None,
         replay: Any = None,
@@ -232,6 +259,13 @@ class NaNGuard(Responses, keras.callbacks.Callback):
                 raise ValueError(
                     f"`{name}` must be an int >= {low}. Received: {name}={value!r}"
                 )
+        self.loss_spike_sigma = check_positive(
+            "loss_spike_sigma", loss_spike_sigma, allow_none=True
+        )
+        self.loss_spike_window = check_int("loss_spike_window", loss_spike_window, 2)
+        self.loss_spike_patience = check_int(
+            "loss_spike_patience", loss_spike_patience, 1
+        )
         self.policy = policy
         self.snapshot_every = snapshot_every
         self.snapshot_budget = float(snapshot_budget)
@@ -299,7 +333,12 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             snapshots.sync_from_device(self._net)
             c = self._safe.counters()  # one read per fit
             rejected, consecutive = c["skipped_steps"], c["consecutive_skips"]
-        self._watch = BatchWatch(rejected, consecutive)
+        spikes = None
+        if self.loss_spike_sigma is not None:
+            spikes = LossSpikes(
+                self.loss_spike_sigma, self.loss_spike_window, self.loss_spike_patience
+            )
+        self._watch = BatchWatch(rejected, consecutive, spikes)
         self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
         self._checks = Cadence(self.check_every, 0.01, 1)
         # The last fit's rollback point only lends its buffers.
@@ -511,6 +550,9 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             "skip_batches": self.skip_batches,
             "patience": self.patience,
             "max_rejections": self.max_rejections,
+            "loss_spike_sigma": self.loss_spike_sigma,
+            "loss_spike_window": self.loss_spike_window,
+            "loss_spike_patience": self.loss_spike_patience,
             "directory": self.directory,
             "report_path": self.report_path,
             "batch_size": self.batch_size,

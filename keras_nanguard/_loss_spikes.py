@@ -1,0 +1,100 @@
+"""Loss-spike detection for NaNGuard's batch-end side: Python floats only.
+
+Keras logs the loss as a running mean over the batches since its metric
+states were last reset; a batch's own loss is recovered from two
+consecutive running means, `n·m_n - (n-1)·m_{n-1}` (per batch: exact for
+equal batch sizes; a smaller last batch is pulled toward the mean, which
+can only weaken its signal, never raise a false alarm).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class Spike:
+    """A confirmed loss spike: what triggered it, in figures."""
+
+    step: int  # the first step of the streak
+    steps: int  # the steps in the streak
+    loss: float  # the last batch loss of the streak
+    mean: float  # the rolling mean and standard deviation it was above
+    std: float
+    window: int  # the healthy batches the statistics cover
+
+    def describe(self, sigma: float) -> str:
+        return (
+            f"the batch loss stayed more than {sigma:g} standard deviations "
+            f"above its rolling mean for {self.steps} steps in a row "
+            f"(last loss {self.loss:.4g}, mean {self.mean:.4g}, "
+            f"std {self.std:.3g}, over the last {self.window} healthy batches)."
+        )
+
+
+class LossSpikes:
+    """Rolling statistics of healthy batch losses, and the open streak."""
+
+    def __init__(self, sigma: float, window: int, patience: int) -> None:
+        self.sigma, self.patience = sigma, patience
+        self.losses: collections.deque[float] = collections.deque(maxlen=window)
+        self.streak_from: int | None = None  # first step of the open streak
+        self.streak = 0
+        self._mean: float | None = None  # Keras's last running mean of the loss
+
+    def segment_reset(self) -> None:
+        """Keras's running means restart (a new epoch, or a metrics reset)."""
+        self._mean = None
+
+    def batch_loss(self, raw: object, before: int, counted: int) -> float | None:
+        """The mean loss of the `counted` batches just folded into Keras's
+        running mean `raw` (which held `before` batches), if recoverable."""
+        prev, self._mean = self._mean, _float(raw)
+        if counted <= 0 or self._mean is None:
+            return None
+        if before == 0:
+            return self._mean
+        if prev is None:
+            return None
+        return ((before + counted) * self._mean - before * prev) / counted
+
+    def see(self, loss: float | None, step: int, steps: int) -> Spike | bool:
+        """Feeds a healthy execution's loss. Returns a `Spike` when a streak
+        reaches `patience` steps, `True` while a streak is open, else `False`."""
+        if loss is None:
+            return self.streak_from is not None
+        n = len(self.losses)
+        if n < self.losses.maxlen:  # not armed until the window is full
+            self.losses.append(loss)
+            return False
+        mean = sum(self.losses) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.losses) / n)
+        if loss <= mean + self.sigma * std:
+            self.streak_from, self.streak = None, 0
+            self.losses.append(loss)
+            return False
+        if self.streak_from is None:
+            self.streak_from = step
+        self.streak += steps
+        if self.streak < self.patience:
+            return True
+        spike = Spike(self.streak_from, self.streak, loss, mean, std, n)
+        self.clear()
+        return spike
+
+    def clear(self) -> None:
+        """Forgets the streak and the window: the statistics start afresh
+        (after a rollback, the state is the one before the spike, but the
+        learning rate may differ)."""
+        self.losses.clear()
+        self.streak_from, self.streak = None, 0
+
+
+def _float(value: object) -> float | None:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
