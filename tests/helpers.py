@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -59,3 +60,22 @@ def grad(fn, x, upstream=None):
     t = torch.tensor(x, requires_grad=True)
     objective(t).backward()
     return t.grad.detach().numpy()
+
+
+class WithoutBatches(keras.utils.PyDataset):
+    """The batches of `(x, y)` that `PoisonedBatches(x, y, batch_size, ...)`
+    gives, with the batches `drop` left out: the run a guarded run must equal."""
+
+    def __init__(self, x, y, batch_size, drop):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+        n = len(x) // batch_size
+        self.keep = [i for i in range(n) if i not in drop]
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        b = self.keep[i]
+        s = slice(b * self.batch_size, (b + 1) * self.batch_size)
+        return self.x[s], self.y[s]

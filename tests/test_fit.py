@@ -6,7 +6,13 @@ import pytest
 from keras import ops
 
 import keras_nanguard as ng
-from tests.helpers import BACKEND, all_finite, assert_bit_identical, numpy
+from tests.helpers import (
+    BACKEND,
+    WithoutBatches,
+    all_finite,
+    assert_bit_identical,
+    numpy,
+)
 
 
 def _data(n=96, seed=0):
@@ -30,24 +36,6 @@ def _model(seed=3):
 # Logits: with the torch backend, a probability-space binary cross-entropy
 # raises on NaN predictions before any optimizer could act.
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
-
-
-class _Drop(keras.utils.PyDataset):
-    """The same batches as PoisonedBatches, with the poisoned ones left out."""
-
-    def __init__(self, x, y, batch_size, drop):
-        super().__init__()
-        self.x, self.y, self.batch_size = x, y, batch_size
-        n = len(x) // batch_size
-        self.keep = [i for i in range(n) if i not in drop]
-
-    def __len__(self):
-        return len(self.keep)
-
-    def __getitem__(self, i):
-        b = self.keep[i]
-        s = slice(b * self.batch_size, (b + 1) * self.batch_size)
-        return self.x[s], self.y[s]
 
 
 FIT_MODES = {
@@ -81,7 +69,7 @@ def test_fit_rejects_poisoned_batches_and_matches_clean_training(mode):
         loss=LOSS,
         **FIT_MODES[mode],
     )
-    reference.fit(_Drop(x, y, 16, bad), epochs=1, verbose=0, shuffle=False)
+    reference.fit(WithoutBatches(x, y, 16, bad), epochs=1, verbose=0, shuffle=False)
     assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
 
 

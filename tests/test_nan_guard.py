@@ -13,7 +13,13 @@ import pytest
 
 import keras_nanguard as ng
 from keras_nanguard import nan_guard, snapshots
-from tests.helpers import BACKEND, all_finite, assert_bit_identical, numpy
+from tests.helpers import (
+    BACKEND,
+    WithoutBatches,
+    all_finite,
+    assert_bit_identical,
+    numpy,
+)
 
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
 
@@ -42,20 +48,6 @@ def _fit(model, data, callbacks, epochs=1, **kwargs):
     return model.fit(
         data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
     )
-
-
-class _Drop(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size, drop):
-        super().__init__()
-        self.x, self.y, self.bs = x, y, batch_size
-        self.keep = [i for i in range(len(x) // batch_size) if i not in drop]
-
-    def __len__(self):
-        return len(self.keep)
-
-    def __getitem__(self, i):
-        s = slice(self.keep[i] * self.bs, (self.keep[i] + 1) * self.bs)
-        return self.x[s], self.y[s]
 
 
 # --------------------------------------------------------------- arguments
@@ -124,7 +116,9 @@ def test_rejected_step_is_one_incident_and_left_out_of_the_figures():
 
     # The epoch loss is the mean over the kept batches: exactly what Keras
     # reports for the same run without the poisoned batch.
-    reference = _fit(_model(keras.optimizers.SGD(0.05)), _Drop(x, y, 16, [3]), [], 2)
+    reference = _fit(
+        _model(keras.optimizers.SGD(0.05)), WithoutBatches(x, y, 16, [3]), [], 2
+    )
     np.testing.assert_allclose(
         history.history["loss"], reference.history["loss"], rtol=1e-6
     )

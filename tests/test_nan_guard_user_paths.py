@@ -12,7 +12,13 @@ from keras import ops
 
 import keras_nanguard as ng
 from keras_nanguard import nan_guard, snapshots
-from tests.helpers import BACKEND, all_finite, assert_bit_identical, numpy
+from tests.helpers import (
+    BACKEND,
+    WithoutBatches,
+    all_finite,
+    assert_bit_identical,
+    numpy,
+)
 
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
 
@@ -60,20 +66,6 @@ def _fit(model, data, callbacks, epochs=1, **kwargs):
 
 def _lr(model):
     return np.float32(ops.convert_to_numpy(model.optimizer.learning_rate))
-
-
-class _Drop(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size, drop):
-        super().__init__()
-        self.x, self.y, self.bs = x, y, batch_size
-        self.keep = [i for i in range(len(x) // batch_size) if i not in drop]
-
-    def __len__(self):
-        return len(self.keep)
-
-    def __getitem__(self, i):
-        s = slice(self.keep[i] * self.bs, (self.keep[i] + 1) * self.bs)
-        return self.x[s], self.y[s]
 
 
 class _Weights(keras.callbacks.Callback):
@@ -138,7 +130,7 @@ def test_model_built_by_fit_bad_first_step_with_safe_optimizer(kind):
         ("rejected_step", 0, "none")
     ]
     reference = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
-    _fit(reference, _Drop(x, y, 16, [0]), [])
+    _fit(reference, WithoutBatches(x, y, 16, [0]), [])
     assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
 
 
