@@ -163,10 +163,7 @@ def test_halted_optimizer_is_trouble():
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05), max_consecutive_skips=2)
     guard = ng.NaNGuard("stop", verbose=0, check_every=1)
     model = _model(opt)
-    if BACKEND == "torch":  # eager steps raise at once, before any callback
-        with pytest.raises(ng.NonFiniteError):
-            _fit(model, data, [guard])
-        return
+    # Also on torch: an attached optimizer leaves the halt to NaNGuard.
     _fit(model, data, [guard], epochs=3)
     assert guard.incidents[0].kind == "halted"
     assert "stopped training" in guard.incidents[0].action
