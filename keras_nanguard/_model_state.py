@@ -20,6 +20,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _step_ops as step_ops
+
 
 def forward_state(model: keras.Model) -> list[Any]:
     """The state the forward pass may write: Keras's non-trainable variables
@@ -60,21 +62,6 @@ def read(state: list[Any]) -> list[Any]:
         # Copy-on-write: the buffer is copied only if the step writes it.
         return [tf.identity(t) for t in values]
     return values
-
-
-def keep_unless(accepted: Any, state: list[Any], before: list[Any]) -> None:
-    """Writes `before` back into `state` unless `accepted`, on the device."""
-    if keras.backend.backend() == "torch":
-        import torch
-
-        accepted = torch.as_tensor(accepted)
-        with torch.no_grad():
-            for t, old in zip(state, before, strict=True):
-                t = t.value if isinstance(t, keras.Variable) else t
-                t.copy_(torch.where(accepted, t, old))
-        return
-    for v, old in zip(state, before, strict=True):
-        v.assign(ops.where(accepted, v.value, old))
 
 
 def select(accepted: Any, before: list[Any], after: list[Any]) -> list[Any]:
@@ -230,14 +217,14 @@ class ModelStateMixin:
         try:
             yield
         except BaseException:
-            keep_unless(False, state, before)
+            step_ops.restore_unless(False, state, before)
             raise
         if self._plans.steps == steps:
             raise RuntimeError(
                 "No step of this SafeOptimizer ran inside `transaction(model)`: "
                 "call `apply`/`apply_gradients` inside the `with` block."
             )
-        keep_unless(self.consecutive_skips.value == 0, state, before)
+        step_ops.restore_unless(self.consecutive_skips.value == 0, state, before)
 
     def stateless_commit(
         self,

@@ -90,15 +90,18 @@ def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
 
 
 def restore_unless(ok: Any, state: list, backup: list) -> None:
-    """Writes `backup` back into `state` unless `ok`: a select on the device,
-    with no branch and no host read (a branch on XLA:GPU or TensorFlow's GPU
-    graphs copies the predicate to the host and waits for it)."""
+    """Writes `backup` back into `state` (variables, or torch tensors such as
+    module buffers) unless `ok`: a select on the device, with no branch and
+    no host read (a branch on XLA:GPU or TensorFlow's GPU graphs copies the
+    predicate to the host and waits for it)."""
     if keras.backend.backend() == "torch":
         import torch
 
+        ok = torch.as_tensor(ok)
         with torch.no_grad():
-            for v, old in zip(state, backup, strict=True):
-                torch.where(ok, v.value, old, out=v.value)
+            for t, old in zip(state, backup, strict=True):
+                t = t.value if isinstance(t, keras.Variable) else t
+                torch.where(ok, t, old, out=t)
         return
     for v, old in zip(state, backup, strict=True):
         v.assign(ops.where(ok, v.value, old))
