@@ -158,9 +158,9 @@ class TransactionMixin:
         new_finite = ng_ops._finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
-        spike = None
+        spike = threshold = None
         if self.spike_sigma is not None:
-            spike = spikes.is_spike(
+            spike, threshold = spikes.is_spike(
                 norm, self.spike_norms.value, self.spike_count.value, self.spike_sigma
             )
             ok = ops.logical_and(ok, ~spike)
@@ -182,6 +182,7 @@ class TransactionMixin:
             norm=norm,
             bad_index=bad_index,
             spike=spike,
+            threshold=threshold,
         )
 
     @contextlib.contextmanager
@@ -199,7 +200,7 @@ class TransactionMixin:
             inner.global_clipnorm = saved
 
     def _count(
-        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike
+        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike, threshold
     ) -> None:
         i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
         bad_grad = ~grads_ok
@@ -231,7 +232,9 @@ class TransactionMixin:
             spike = ops.logical_and(spike, reason == 0)
             reason = ops.where(spike, 3, reason)
             self.spike_steps.assign(self.spike_steps.value + i32(spike))
-            spikes.record(ok, norm, self.spike_norms, self.spike_count)
+            spikes.record(
+                ok, spike, norm, threshold, self.spike_norms, self.spike_count
+            )
         failed = reason > 0
         self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))
         self.last_nonfinite_index.assign(

@@ -9,6 +9,7 @@ import keras_nanguard as ng
 from tests.helpers import assert_bit_identical, numpy
 
 SPIKE_BATCH = 30  # after a window of 16 accepted steps has filled
+SHIFT_REJECTIONS = 11  # the same on the three backends
 
 
 def _data(drop_spike: bool = False):
@@ -58,9 +59,35 @@ def test_a_gradient_spike_is_rejected_like_a_bad_step():
     assert_bit_identical(
         numpy(ref_opt.inner_optimizer.variables), numpy(opt.inner_optimizer.variables)
     )
-    # The window saw the same accepted norms in both runs.
-    assert_bit_identical(numpy([ref_opt.spike_norms]), numpy([opt.spike_norms]))
-    assert int(opt.spike_count) == int(ref_opt.spike_count) == 39
+    # The window holds the same accepted norms in both runs, and where the
+    # spike was (slot 30 % 16), the threshold it exceeded.
+    window, ref = numpy([opt.spike_norms])[0], numpy([ref_opt.spike_norms])[0]
+    before, after = list(range(8, 14)), [14, 15, *range(7)]  # ref's slots
+    assert_bit_identical([ref[before]], [window[before]])
+    assert_bit_identical([ref[after]], [window[[(s + 1) % 16 for s in after]]])
+    others = np.delete(window, 14)
+    assert others.max() < window[14] < c["rejected_grad_norm"]
+    assert (int(opt.spike_count), int(ref_opt.spike_count)) == (40, 39)
+
+
+def test_a_lasting_rise_is_taken_in_after_a_run_of_rejections():
+    # From step 30 on every target is 1000 times larger: a new level, not a
+    # spike. The window takes in the thresholds of the rejected steps and
+    # accepts the new level after a run of rejections, instead of rejecting
+    # every later step (a window of accepted norms only would lock).
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(1e-4), spike_sigma=6, spike_window=16)
+    model.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8 * 80, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    y[8 * 30 :] *= 1e3
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    c = opt.counters()
+    assert c["spike_steps"] == c["skipped_steps"] == SHIFT_REJECTIONS
+    assert c["consecutive_skips"] == 0
+    assert int(opt.iterations) == 80 - SHIFT_REJECTIONS
 
 
 def test_without_spike_sigma_the_spike_is_applied():
@@ -118,7 +145,7 @@ def test_the_window_round_trips_through_a_keras_file(tmp_path):
     loaded = keras.models.load_model(path).optimizer
     assert (loaded.spike_sigma, loaded.spike_window) == (6.0, 16)
     assert_bit_identical(numpy([opt.spike_norms]), numpy([loaded.spike_norms]))
-    assert int(loaded.spike_count) == 39
+    assert int(loaded.spike_count) == 40
     assert loaded.counters()["spike_steps"] == 1
 
 
