@@ -60,6 +60,8 @@ class AgentConfig:
     safe_optimizer: bool = False  # SafeOptimizer(..., clipnorm=1.0)
     init: str = "glorot_uniform"  # "he_normal" fits the ReLU trunk
     hidden: int = 128
+    spike_sigma: float | None = None  # SafeOptimizer's gradient-spike skipping
+    spike_window: int = 128
 
 
 FIXED = AgentConfig(
@@ -119,6 +121,13 @@ def make_optimizer(config: AgentConfig) -> keras.optimizers.Optimizer:
             "config": {"learning_rate": config.learning_rate},
         }
     )
+    if config.spike_sigma is not None:
+        return ng.SafeOptimizer(
+            inner,
+            clipnorm=1.0 if config.safe_optimizer else None,
+            spike_sigma=config.spike_sigma,
+            spike_window=config.spike_window,
+        )
     return ng.SafeOptimizer(inner, clipnorm=1.0) if config.safe_optimizer else inner
 
 
@@ -132,6 +141,12 @@ class RunResult:
     crash: str | None = None  # the exception that ended the run, if any
     solved_at: int | None = None
     skipped_steps: int = 0
+    # per episode: the raw global gradient norm of its update, the smallest
+    # action probability the policy gave while playing it, and (with
+    # `spike_sigma`) whether its update was rejected as a gradient spike
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    min_probs: list[float] = dataclasses.field(default_factory=list)
+    spikes: list[bool] = dataclasses.field(default_factory=list)
     model: keras.Model | None = None
     # (weights before the update, x, (actions, returns)) of `capture_episode`
     captured: tuple | None = None
@@ -180,10 +195,11 @@ def train_agent(
     for episode in range(episodes):
         # Play an episode with the current policy (compiled, no gradients) ...
         state, _ = env.reset(seed=seed + episode)
-        states, actions, rewards = [], [], []
+        states, actions, rewards, min_p = [], [], [], 1.0
         for _ in range(max_steps):
             p = ops.convert_to_numpy(policy(state[None].astype("float32")))[0]
             p = p.astype("float64")
+            min_p = min(min_p, float(p.min()))
             try:
                 action = int(rng.choice(2, p=p / p.sum()))
             except ValueError as err:  # NaN probabilities
@@ -206,6 +222,11 @@ def train_agent(
             loss = loss_fn((a, returns), model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        result.grad_norms.append(float(ng.ops.global_norm(grads)))
+        result.min_probs.append(min_p)
+        if config.spike_sigma is not None:
+            spikes = optimizer.counters()["spike_steps"]
+            result.spikes.append(spikes > sum(result.spikes))
 
         episode_reward = float(sum(rewards))
         running = 0.05 * episode_reward + 0.95 * running
@@ -220,10 +241,30 @@ def train_agent(
             result.solved_at = episode
             if stop_when_solved:
                 break
-    if config.safe_optimizer:
+    if isinstance(optimizer, ng.SafeOptimizer):
         result.skipped_steps = optimizer.counters()["skipped_steps"]
     env.close()
     return result
+
+
+# A learning rate the agent can learn with, returns left unnormalised: it
+# solves CartPole, then its policy collapses. With `spike_sigma` SafeOptimizer
+# rejects the gradient spikes that come first.
+LEARNS_THEN_COLLAPSES = AgentConfig(learning_rate=0.03)
+SPIKE_GUARD = dict(spike_sigma=6.0, spike_window=32)
+
+
+def collapse_episode(result: RunResult, low: float = 12.0, run: int = 10):
+    """The first episode of `run` in a row scoring at most `low` (a policy
+    stuck on one action), after the agent once reached the episode cap."""
+    rewards = result.rewards
+    top = next((i for i, r in enumerate(rewards) if r >= 500), None)
+    if top is None:
+        return None
+    for i in range(top, len(rewards) - run + 1):
+        if max(rewards[i : i + run]) <= low:
+            return i
+    return None
 
 
 # ------------------------------------------------ the models from the reports

@@ -146,6 +146,27 @@ def test_actor_critic_claims():
     assert fixed.solved_at is not None and fixed.final_running > tutorial.SOLVED
 
 
+def test_actor_critic_early_warning_claims():
+    import tutorial
+
+    plain = tutorial.train_agent(
+        tutorial.LEARNS_THEN_COLLAPSES, episodes=300, stop_when_solved=False
+    )
+    config = dataclasses.replace(tutorial.LEARNS_THEN_COLLAPSES, **tutorial.SPIKE_GUARD)
+    guarded = tutorial.train_agent(config, episodes=300, stop_when_solved=False)
+    for run, collapse in ((plain, 200), (guarded, 168)):
+        assert run.nan_episode is None and run.crash is None  # nothing is NaN
+        assert max(run.rewards[:collapse]) == 500  # it had learned
+        assert tutorial.collapse_episode(run) == collapse
+        assert min(run.min_probs[collapse : collapse + 10]) < 1e-12  # saturated
+        norms = np.array(run.grad_norms)  # a hundredfold rise before it
+        assert np.median(norms[collapse - 20 : collapse]) > 30 * np.median(norms[:30])
+    assert not any(plain.spikes)
+    spikes = [i for i, s in enumerate(guarded.spikes) if s]
+    assert spikes == [71, 77, 128, 223, 224, 225, 227, 228, 229, 230]
+    assert guarded.skipped_steps == len(spikes)
+
+
 def test_image_observation_claims():
     import tutorial
 
