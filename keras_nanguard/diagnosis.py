@@ -11,78 +11,11 @@ import numpy as np
 
 from keras_nanguard import _probes as probes
 from keras_nanguard import snapshots
+from keras_nanguard.causes import CAUSES, hints_for, overflow_hints
+
+__all__ = ["CAUSES", "STAGES", "Diagnosis", "LayerStats", "diagnose"]
 
 STAGES = ("input", "target", "weights", "forward", "loss", "backward", "update")
-
-#: The cause vocabulary: code -> what it means.
-CAUSES: dict[str, str] = {
-    "nonfinite_input": "the inputs already hold NaN or inf",
-    "nonfinite_target": "the targets already hold NaN or inf",
-    "nonfinite_weights": "the weights or the optimizer state are already NaN or inf",
-    "activation_overflow": "finite inputs, but a layer's output overflows to inf",
-    "invalid_arithmetic": "an operation turned finite or infinite values into NaN "
-    "(inf - inf, 0 * inf, 0 / 0, a softmax over an all -inf row)",
-    "log_of_zero": "a probability that is exactly 0 reaches a log",
-    "loss_overflow": "the predictions are finite but the loss is not: too large "
-    "targets or predictions",
-    "nonfinite_gradient": "forward pass and loss are finite, a gradient is not "
-    "(a division by a norm that is 0, sqrt at 0, 0 * inf in backward)",
-    "exploding_gradient": "the gradients are finite but their global norm is huge",
-    "update_overflow": "the gradients are finite, but the optimizer's update would "
-    "make weights or optimizer state non-finite",
-}
-
-HINTS: dict[str, list[str]] = {
-    "nonfinite_input": [
-        "Clean or filter the data before training (np.isfinite on each batch).",
-        "SafeOptimizer rejects the steps such batches would poison; NaNGuard "
-        "records them.",
-    ],
-    "nonfinite_target": [
-        "Check how targets (rewards, returns, labels) are computed: a division "
-        "by zero or a log of 0 upstream is typical.",
-    ],
-    "nonfinite_weights": [
-        "The state is already broken: restore a good checkpoint (NaNGuard keeps "
-        "one) and find the step that broke it (NaNGuard's incidents).",
-    ],
-    "activation_overflow": [
-        "Lower the learning rate, and clip gradients "
-        "(SafeOptimizer(optimizer, clipnorm=1.0)).",
-        "Normalise activations (BatchNormalization or LayerNormalization).",
-    ],
-    "invalid_arithmetic": [
-        "Guard divisions and norms: keras_nanguard.ops.safe_div and safe_norm "
-        "(zero instead of 0/0).",
-        "For a masked softmax use keras_nanguard.StableSoftmax (a fully masked "
-        "row gives zeros, not NaN).",
-    ],
-    "log_of_zero": [
-        "Compute log-probabilities in log space: StableSoftmax(log_probs=True), "
-        "or keras_nanguard.ops.policy_log_prob(logits, actions) for log pi(a|s) "
-        "and the entropy, instead of log(softmax(...)).",
-        "keras_nanguard.ops.safe_log as a last resort; a smaller learning rate "
-        "or an entropy bonus keeps the policy from saturating.",
-    ],
-    "loss_overflow": [
-        "Normalise targets and returns (e.g. (G - mean) / std), or use a Huber "
-        "loss instead of the squared error.",
-    ],
-    "nonfinite_gradient": [
-        "Look for sqrt, norm or division by a quantity that reaches 0: "
-        "keras_nanguard.ops.safe_sqrt, safe_norm and safe_div have finite "
-        "gradients at 0.",
-    ],
-    "exploding_gradient": [
-        "Clip gradients (SafeOptimizer(optimizer, clipnorm=1.0)) and lower the "
-        "learning rate.",
-        "Normalise inputs and targets.",
-    ],
-    "update_overflow": [
-        "Lower the learning rate. SafeOptimizer rejects such updates and can back "
-        "the learning rate off (lr_backoff=0.5).",
-    ],
-}
 
 #: Global gradient norm above `_EXPLODING * (1 + global weight norm)` counts
 #: as exploding.
@@ -418,59 +351,18 @@ def _forward_cause(name, layer, inputs, out, stats, upto) -> Diagnosis:
         f"{'inf' if has_inf else ''} from {'finite' if finite_in else 'non-finite'} "
         "inputs"
     )
-    hints = _overflow_hints(upto) if "activation_overflow" in causes else []
+    hints = overflow_hints(upto) if "activation_overflow" in causes else []
     return _result("forward", name, causes, detail, stats, extra_hints=hints)
-
-
-_UNBOUNDED = ("relu", "elu", "selu", "leaky_relu", "gelu", "softplus", "exponential")
-
-
-def _overflow_hints(upto: list) -> list[str]:
-    """Hints for an overflow reached through the layers `upto` (in order)."""
-    hints = []
-    unbounded = [
-        (lay.name, getattr(lay.activation, "__name__", ""))
-        for lay in upto
-        if getattr(getattr(lay, "activation", None), "__name__", "") in _UNBOUNDED
-    ]
-    if unbounded:
-        names = ", ".join(f"'{n}' ({a})" for n, a in unbounded)
-        glorot = [
-            lay.name
-            for lay in upto
-            if "Glorot" in type(getattr(lay, "kernel_initializer", None)).__name__
-        ]
-        hints.append(
-            f"Unbounded activations let the values grow layer after layer: {names}. "
-            "Use He initialisation (kernel_initializer='he_normal') with ReLU/ELU"
-            + (f" (these use Glorot: {', '.join(glorot)})" if glorot else "")
-            + ", smaller weight scales (e.g. a smaller g and b in weight-normalised "
-            "layers), or a bounded activation (tanh) where values must stay small."
-        )
-    weights = [
-        float(np.max(np.abs(snapshots.host_view(w)), initial=0.0))
-        for lay in upto
-        for w in lay.weights
-    ]
-    if weights and max(weights) > 1e3:
-        hints.append(
-            f"The largest weight on the way is {max(weights):.3g}: the weights "
-            "have grown; a smaller learning rate or weight decay keeps them in range."
-        )
-    return hints
 
 
 def _result(
     stage, layer, causes, detail, stats=(), loss=None, grad_norm=None, extra_hints=()
 ) -> Diagnosis:
-    hints = list(extra_hints)
-    for cause in causes:
-        hints += [h for h in HINTS[cause] if h not in hints]
     return Diagnosis(
         stage=stage,
         layer=layer,
         causes=list(causes),
-        hints=hints,
+        hints=hints_for(causes, extra_hints),
         detail=detail,
         layers=list(stats),
         loss=loss,
