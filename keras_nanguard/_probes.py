@@ -40,68 +40,6 @@ def owners(leaves) -> dict[int, str]:
     return {id(v): name for name, layer in leaves for v in layer.trainable_weights}
 
 
-def record_forward(model, x, leaves, loss_of) -> tuple:
-    """One forward pass that records every leaf layer's input and output, and
-    the loss; returns `(records, y_pred, loss, gradients)` where `gradients()`
-    differentiates that same pass where the backend can (TensorFlow's tape,
-    torch's autograd) and runs a functional pass on JAX."""
-    records = []
-
-    def wrap(name, layer):
-        original = layer.call
-
-        def call(*args, **kwargs):
-            out = original(*args, **kwargs)
-            inputs = args[0] if args else next(iter(kwargs.values()), None)
-            records.append((name, layer, inputs, out))
-            return out
-
-        layer.call = call
-
-    for name, layer in leaves:
-        wrap(name, layer)
-    backend = keras.backend.backend()
-    try:
-        if backend == "tensorflow":
-            import tensorflow as tf
-
-            with tf.GradientTape() as tape:
-                y_pred = model(x, training=True)
-                loss = loss_of(y_pred)
-
-            def gradients():
-                return numpy_grads(tape.gradient(loss, model.trainable_variables))
-
-        elif backend == "torch":
-            for v in model.trainable_variables:
-                v.value.grad = None
-            y_pred = model(x, training=True)
-            loss = loss_of(y_pred)
-
-            def gradients():
-                loss.backward()
-                grads = [v.value.grad for v in model.trainable_variables]
-                for v in model.trainable_variables:
-                    v.value.grad = None
-                return numpy_grads(grads)
-
-        else:
-            y_pred = model(x, training=True)
-            loss = loss_of(y_pred)
-
-            def gradients():
-                return fresh_gradients(model, x, loss_of)
-
-    finally:
-        for _, layer in leaves:
-            del layer.call  # back to the class's method
-    return records, y_pred, loss, gradients
-
-
-def numpy_grads(grads) -> list[np.ndarray | None]:
-    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
-
-
 def loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
     if loss is None:
         if getattr(model, "loss", None) is None:
@@ -132,34 +70,104 @@ def loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
     return loss_of
 
 
-def fresh_gradients(model, x, loss_of) -> list[np.ndarray | None]:
-    """Gradients of the loss from a new forward pass on every backend."""
+def record_forward(model, x, leaves, loss_of) -> tuple:
+    """One forward pass that records every leaf layer's input and output, and
+    the loss; returns `(records, y_pred, loss, gradients)`, with `gradients()`
+    as `gradient_pass` gives it."""
+    records: list[tuple[str, keras.layers.Layer, Any, Any]] = []
+    for name, layer in leaves:
+        _record_calls(name, layer, records)
+    try:
+        y_pred, loss, gradients = gradient_pass(model, x, loss_of)
+    finally:
+        for _, layer in leaves:
+            del layer.call  # back to the class's method
+    return records, y_pred, loss, gradients
+
+
+def _record_calls(name: str, layer: keras.layers.Layer, records: list) -> None:
+    original = layer.call
+
+    def call(*args, **kwargs):
+        out = original(*args, **kwargs)
+        inputs = args[0] if args else next(iter(kwargs.values()), None)
+        records.append((name, layer, inputs, out))
+        return out
+
+    layer.call = call
+
+
+# --------------------------------------------------------------- gradients
+def gradient_pass(
+    model: keras.Model, x: Any, loss_of: Callable[[Any], Any], *, outputs: bool = True
+) -> tuple[Any, Any, Callable[[], list[np.ndarray | None]]]:
+    """The one place where gradients are taken, per backend.
+
+    Runs one training-mode pass, `y_pred = model(x)` and `loss =
+    loss_of(y_pred)`, and returns `(y_pred, loss, gradients)`: `gradients()`
+    gives the gradients of that loss for `model.trainable_variables`, as NumPy
+    arrays (`None` where a variable has none). TensorFlow (a `GradientTape`)
+    and torch (autograd) differentiate this very pass. JAX cannot
+    differentiate an eager pass: there `gradients()` takes `jax.grad` of the
+    same pass re-run statelessly, as a function of the weights; with
+    `outputs=False` (only the gradients are wanted) JAX skips the eager pass
+    and returns `None` for `y_pred` and `loss`.
+    """
     tv = model.trainable_variables
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
         with tf.GradientTape() as tape:
-            value = loss_of(model(x, training=True))
-        grads = tape.gradient(value, tv)
-    elif backend == "jax":
-        import jax
+            y_pred = model(x, training=True)
+            loss = loss_of(y_pred)
+        return y_pred, loss, lambda: numpy_grads(tape.gradient(loss, tv))
+    if backend == "torch":
+        _clear_grads(tv)
+        y_pred = model(x, training=True)
+        loss = loss_of(y_pred)
 
-        def objective(values):
-            with keras.StatelessScope(state_mapping=list(zip(tv, values, strict=True))):
-                return loss_of(model(x, training=True))
+        def gradients():
+            loss.backward()
+            grads = [v.value.grad for v in tv]
+            _clear_grads(tv)
+            return numpy_grads(grads)
 
-        grads = jax.grad(objective)([v.value for v in tv])
-    else:
-        for v in tv:
-            v.value.grad = None
-        loss_of(model(x, training=True)).backward()
-        grads = [v.value.grad for v in tv]
-        for v in tv:
-            v.value.grad = None
-    return numpy_grads(grads)
+        return y_pred, loss, gradients
+    y_pred = loss = None
+    if outputs:
+        y_pred = model(x, training=True)
+        loss = loss_of(y_pred)
+    return y_pred, loss, lambda: _jax_gradients(model, x, loss_of)
 
 
+def _jax_gradients(model, x, loss_of) -> list[np.ndarray | None]:
+    import jax
+
+    tv = model.trainable_variables
+
+    def objective(values):
+        with keras.StatelessScope(state_mapping=list(zip(tv, values, strict=True))):
+            return loss_of(model(x, training=True))
+
+    return numpy_grads(jax.grad(objective)([v.value for v in tv]))
+
+
+def _clear_grads(variables) -> None:
+    for v in variables:
+        v.value.grad = None
+
+
+def fresh_gradients(model, x, loss_of) -> list[np.ndarray | None]:
+    """Gradients of the loss from a new forward pass on every backend."""
+    return gradient_pass(model, x, loss_of, outputs=False)[2]()
+
+
+def numpy_grads(grads) -> list[np.ndarray | None]:
+    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
+
+
+# ------------------------------------------------------------------ update
 def probe_update(model, optimizer, grads, leaves):
     while hasattr(optimizer, "inner_optimizer"):  # SafeOptimizer, LossScaleOptimizer
         optimizer = optimizer.inner_optimizer

@@ -1,4 +1,11 @@
-"""diagnose(): where a batch first goes non-finite, and why, in words."""
+"""diagnose(): where a batch first goes non-finite, and why, in words.
+
+Here: `diagnose()` itself (its arguments, and the model and optimizer state it
+leaves as it found them), and what it returns, `Diagnosis` with a `LayerStats`
+per layer. The checks it runs, one per stage, are in `_stages`; the cause
+vocabulary (`CAUSES`, also importable from here) and the hints in `causes`;
+the eager probes in `_probes`.
+"""
 
 from __future__ import annotations
 
@@ -11,83 +18,11 @@ import numpy as np
 
 from keras_nanguard import _probes as probes
 from keras_nanguard import snapshots
+from keras_nanguard.causes import CAUSES
+
+__all__ = ["CAUSES", "STAGES", "Diagnosis", "LayerStats", "diagnose"]
 
 STAGES = ("input", "target", "weights", "forward", "loss", "backward", "update")
-
-#: The cause vocabulary: code -> what it means.
-CAUSES: dict[str, str] = {
-    "nonfinite_input": "the inputs already hold NaN or inf",
-    "nonfinite_target": "the targets already hold NaN or inf",
-    "nonfinite_weights": "the weights or the optimizer state are already NaN or inf",
-    "activation_overflow": "finite inputs, but a layer's output overflows to inf",
-    "invalid_arithmetic": "an operation turned finite or infinite values into NaN "
-    "(inf - inf, 0 * inf, 0 / 0, a softmax over an all -inf row)",
-    "log_of_zero": "a probability that is exactly 0 reaches a log",
-    "loss_overflow": "the predictions are finite but the loss is not: too large "
-    "targets or predictions",
-    "nonfinite_gradient": "forward pass and loss are finite, a gradient is not "
-    "(a division by a norm that is 0, sqrt at 0, 0 * inf in backward)",
-    "exploding_gradient": "the gradients are finite but their global norm is huge",
-    "update_overflow": "the gradients are finite, but the optimizer's update would "
-    "make weights or optimizer state non-finite",
-}
-
-HINTS: dict[str, list[str]] = {
-    "nonfinite_input": [
-        "Clean or filter the data before training (np.isfinite on each batch).",
-        "SafeOptimizer rejects the steps such batches would poison; NaNGuard "
-        "records them.",
-    ],
-    "nonfinite_target": [
-        "Check how targets (rewards, returns, labels) are computed: a division "
-        "by zero or a log of 0 upstream is typical.",
-    ],
-    "nonfinite_weights": [
-        "The state is already broken: restore a good checkpoint (NaNGuard keeps "
-        "one) and find the step that broke it (NaNGuard's incidents).",
-    ],
-    "activation_overflow": [
-        "Lower the learning rate, and clip gradients "
-        "(SafeOptimizer(optimizer, clipnorm=1.0)).",
-        "Normalise activations (BatchNormalization or LayerNormalization).",
-    ],
-    "invalid_arithmetic": [
-        "Guard divisions and norms: keras_nanguard.ops.safe_div and safe_norm "
-        "(zero instead of 0/0).",
-        "For a masked softmax use keras_nanguard.StableSoftmax (a fully masked "
-        "row gives zeros, not NaN).",
-    ],
-    "log_of_zero": [
-        "Compute log-probabilities in log space: StableSoftmax(log_probs=True), "
-        "or keras_nanguard.ops.policy_log_prob(logits, actions) for log pi(a|s) "
-        "and the entropy, instead of log(softmax(...)).",
-        "keras_nanguard.ops.safe_log as a last resort; a smaller learning rate "
-        "or an entropy bonus keeps the policy from saturating.",
-    ],
-    "loss_overflow": [
-        "Normalise targets and returns (e.g. (G - mean) / std), or use a Huber "
-        "loss instead of the squared error.",
-    ],
-    "nonfinite_gradient": [
-        "Look for sqrt, norm or division by a quantity that reaches 0: "
-        "keras_nanguard.ops.safe_sqrt, safe_norm and safe_div have finite "
-        "gradients at 0.",
-    ],
-    "exploding_gradient": [
-        "Clip gradients (SafeOptimizer(optimizer, clipnorm=1.0)) and lower the "
-        "learning rate.",
-        "Normalise inputs and targets.",
-    ],
-    "update_overflow": [
-        "Lower the learning rate. SafeOptimizer rejects such updates and can back "
-        "the learning rate off (lr_backoff=0.5).",
-    ],
-}
-
-#: Global gradient norm above `_EXPLODING * (1 + global weight norm)` counts
-#: as exploding.
-_EXPLODING = 1e4
-_SATURATED = 1e-7
 
 
 @dataclasses.dataclass
@@ -234,277 +169,18 @@ def diagnose(
         np.array(snapshots.host_view(v), copy=True)
         for v in list(model.weights) + optimizer_vars
     ]
+    # _stages builds Diagnosis objects from this module: imported on first
+    # use, not at the top, so that neither module imports the other half-made.
+    from keras_nanguard import _stages
+
     try:
-        return _diagnose(model, x, y, loss_of, leaves, optimizer)
+        return _stages.run_stages(model, x, y, loss_of, leaves, optimizer)
     finally:
         for v, value in zip(list(model.weights) + optimizer_vars, saved, strict=True):
             v.assign(value)
 
 
-def _diagnose(model, x, y, loss_of, leaves, optimizer) -> Diagnosis:
-    for stage, cause, data in (
-        ("input", "nonfinite_input", x),
-        ("target", "nonfinite_target", y),
-    ):
-        bad = probes.nonfinite_arrays(data)
-        if bad:
-            return _result(stage, None, [cause], f"{stage}s: {bad}")
-    for name, layer in leaves:
-        bad = [
-            v.name
-            for v in layer.weights
-            if not snapshots.host_finite(snapshots.host_view(v))
-        ]
-        if bad:
-            return _result(
-                "weights",
-                name,
-                ["nonfinite_weights"],
-                f"non-finite weights {bad} in layer '{name}'",
-            )
-    if optimizer is not None:
-        bad = snapshots.nonfinite_variables(snapshots.optimizer_state(optimizer))
-        if bad:
-            return _result(
-                "weights",
-                None,
-                ["nonfinite_weights"],
-                f"non-finite optimizer state: {bad[:5]}",
-            )
-
-    # Forward, layer by layer.
-    records, y_pred, loss_tensor, gradients = probes.record_forward(
-        model, x, leaves, loss_of
-    )
-    stats = [_layer_stats(name, layer, out) for name, layer, _, out in records]
-    for i, ((name, layer, inputs, out), st) in enumerate(
-        zip(records, stats, strict=True)
-    ):
-        if st.nonfinite:
-            upto = [rec[1] for rec in records[: i + 1]]
-            return _forward_cause(name, layer, inputs, out, stats, upto)
-
-    # Loss.
-    loss_value = probes.to_float(loss_tensor)
-    probs = probes.probability_outputs(y_pred, records[-1][1] if records else None)
-    out_name = records[-1][0] if records else None
-    if not math.isfinite(loss_value):
-        if probs is not None and probes.clipped_loss_finite(loss_of, y_pred, probs):
-            return _result(
-                "loss",
-                out_name,
-                ["log_of_zero"],
-                f"loss {loss_value}: predicted probabilities include exact "
-                f"0 ({probes.fraction_zero(y_pred, probs):.1%} of entries) and a log "
-                "takes them",
-                stats,
-                loss_value,
-            )
-        if probes.scaled_loss_finite(loss_of, y_pred, y):
-            return _result(
-                "loss",
-                out_name,
-                ["loss_overflow"],
-                f"loss {loss_value} with finite predictions (max |y_pred| "
-                f"{probes.max_abs(y_pred):.3g}, max |y| {probes.max_abs(y):.3g})",
-                stats,
-                loss_value,
-            )
-        return _result(
-            "loss",
-            out_name,
-            ["invalid_arithmetic"],
-            f"loss {loss_value} with finite predictions",
-            stats,
-            loss_value,
-        )
-
-    # Backward.
-    grads = gradients()
-    tv = model.trainable_variables
-    owner = probes.owners(leaves)
-    norms = [
-        None if g is None else float(np.sqrt(np.sum(np.square(g, dtype=np.float64))))
-        for g in grads
-    ]
-    for st in stats:
-        per_layer = [
-            n
-            for v, n in zip(tv, norms, strict=True)
-            if owner.get(id(v)) == st.name and n is not None
-        ]
-        st.grad_norm = (
-            float(np.sqrt(sum(n * n for n in per_layer))) if per_layer else None
-        )
-    global_norm = float(np.sqrt(sum(n * n for n in norms if n is not None)))
-    bad = [
-        i for i, g in enumerate(grads) if g is not None and not snapshots.host_finite(g)
-    ]
-    if bad:
-        order = {name: k for k, (name, _) in enumerate(leaves)}
-        last = max(bad, key=lambda i: order.get(owner.get(id(tv[i])), -1))
-        layer = owner.get(id(tv[last]))
-        causes = ["nonfinite_gradient"]
-        if probs is not None and probes.clipped_gradients_finite(
-            model, x, loss_of, probs
-        ):
-            causes = ["log_of_zero", "nonfinite_gradient"]
-        return _result(
-            "backward",
-            layer,
-            causes,
-            f"forward pass and loss ({_fmt(loss_value)}) are finite, but the "
-            f"gradient of '{snapshots.variable_name(tv[last])}' is not (going backward, the "
-            f"first of {len(bad)} non-finite gradients)",
-            stats,
-            loss_value,
-            global_norm,
-        )
-    weight_norm = float(
-        np.sqrt(
-            sum(np.sum(np.square(snapshots.host_view(v), dtype=np.float64)) for v in tv)
-        )
-    )
-    if global_norm > _EXPLODING * (1.0 + weight_norm):
-        biggest = max(
-            (s for s in stats if s.grad_norm), key=lambda s: s.grad_norm, default=None
-        )
-        return _result(
-            "backward",
-            biggest.name if biggest else None,
-            ["exploding_gradient"],
-            f"global gradient norm {global_norm:.3g} against a weight norm "
-            f"of {weight_norm:.3g}",
-            stats,
-            loss_value,
-            global_norm,
-        )
-
-    # Update.
-    if optimizer is not None:
-        bad_after = probes.probe_update(model, optimizer, grads, leaves)
-        if bad_after:
-            layer, names = bad_after
-            return _result(
-                "update",
-                layer,
-                ["update_overflow"],
-                f"one update with the gradients (finite, global norm "
-                f"{global_norm:.3g}) makes {names} non-finite",
-                stats,
-                loss_value,
-                global_norm,
-            )
-    return Diagnosis(stage=None, layers=stats, loss=loss_value, grad_norm=global_norm)
-
-
-# ------------------------------------------------------------------- causes
-def _forward_cause(name, layer, inputs, out, stats, upto) -> Diagnosis:
-    values = probes.host_tree(out)
-    has_nan = any(np.isnan(v).any() for v in values)
-    has_inf = any(np.isinf(v).any() for v in values)
-    finite_in = not probes.nonfinite_arrays(inputs)
-    big = max(
-        (float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in values),
-        default=0.0,
-    )
-    if has_inf or big > 1e30:
-        causes = ["activation_overflow"] + (["invalid_arithmetic"] if has_nan else [])
-    else:
-        causes = ["invalid_arithmetic"]
-    detail = (
-        f"layer '{name}' ({type(layer).__name__}) outputs "
-        f"{'NaN' if has_nan else ''}{' and ' if has_nan and has_inf else ''}"
-        f"{'inf' if has_inf else ''} from {'finite' if finite_in else 'non-finite'} "
-        "inputs"
-    )
-    hints = _overflow_hints(upto) if "activation_overflow" in causes else []
-    return _result("forward", name, causes, detail, stats, extra_hints=hints)
-
-
-_UNBOUNDED = ("relu", "elu", "selu", "leaky_relu", "gelu", "softplus", "exponential")
-
-
-def _overflow_hints(upto: list) -> list[str]:
-    """Hints for an overflow reached through the layers `upto` (in order)."""
-    hints = []
-    unbounded = [
-        (lay.name, getattr(lay.activation, "__name__", ""))
-        for lay in upto
-        if getattr(getattr(lay, "activation", None), "__name__", "") in _UNBOUNDED
-    ]
-    if unbounded:
-        names = ", ".join(f"'{n}' ({a})" for n, a in unbounded)
-        glorot = [
-            lay.name
-            for lay in upto
-            if "Glorot" in type(getattr(lay, "kernel_initializer", None)).__name__
-        ]
-        hints.append(
-            f"Unbounded activations let the values grow layer after layer: {names}. "
-            "Use He initialisation (kernel_initializer='he_normal') with ReLU/ELU"
-            + (f" (these use Glorot: {', '.join(glorot)})" if glorot else "")
-            + ", smaller weight scales (e.g. a smaller g and b in weight-normalised "
-            "layers), or a bounded activation (tanh) where values must stay small."
-        )
-    weights = [
-        float(np.max(np.abs(snapshots.host_view(w)), initial=0.0))
-        for lay in upto
-        for w in lay.weights
-    ]
-    if weights and max(weights) > 1e3:
-        hints.append(
-            f"The largest weight on the way is {max(weights):.3g}: the weights "
-            "have grown; a smaller learning rate or weight decay keeps them in range."
-        )
-    return hints
-
-
-def _result(
-    stage, layer, causes, detail, stats=(), loss=None, grad_norm=None, extra_hints=()
-) -> Diagnosis:
-    hints = list(extra_hints)
-    for cause in causes:
-        hints += [h for h in HINTS[cause] if h not in hints]
-    return Diagnosis(
-        stage=stage,
-        layer=layer,
-        causes=list(causes),
-        hints=hints,
-        detail=detail,
-        layers=list(stats),
-        loss=loss,
-        grad_norm=grad_norm,
-    )
-
-
 # ------------------------------------------------------------------ helpers
-def _layer_stats(name, layer, out) -> LayerStats:
-    # Activations can be large (a conv layer's output): reductions only, on
-    # host views in the native dtype, no float64 or boolean copies on the
-    # healthy path.
-    values = [v for v in probes.host_tree(out) if v.dtype.kind == "f" and v.size]
-    st = LayerStats(name=name, class_name=type(layer).__name__)
-    if not values:
-        return st
-    size = sum(v.size for v in values)
-    lo = min(float(v.min()) for v in values)  # NaN and inf show up here
-    hi = max(float(v.max()) for v in values)
-    st.nonfinite = not (math.isfinite(lo) and math.isfinite(hi))
-    if st.nonfinite:
-        values = [v[np.isfinite(v)] for v in values]
-        lo = min(float(v.min(initial=np.inf)) for v in values)
-        hi = max(float(v.max(initial=-np.inf)) for v in values)
-    st.max_abs = max(abs(lo), abs(hi)) if math.isfinite(lo) else 0.0
-    st.zero_fraction = sum(v.size - np.count_nonzero(v) for v in values) / size
-    if not st.nonfinite and lo >= 0 and hi <= 1:
-        sat = sum(
-            np.count_nonzero((v < _SATURATED) | (v > 1 - _SATURATED)) for v in values
-        )
-        st.saturated_fraction = sat / size
-    return st
-
-
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
