@@ -16,9 +16,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_nanguard import _kernels as kernels
 from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
-from keras_nanguard import ops as ng_ops
 
 
 class _Plan(NamedTuple):
@@ -120,7 +120,7 @@ class TransactionMixin:
         """
         inner = self.inner_optimizer
         plan = self._plan(grads, variables)
-        norm, grad_finite = ng_ops._norm_and_finite([grads[i] for i in plan.checked])
+        norm, grad_finite = kernels.norm_and_finite([grads[i] for i in plan.checked])
         grads_ok = ops.all(grad_finite)
         # With gradient accumulation the applied gradient is the accumulated
         # one, which the inner optimizer clips itself (see `_inner_settings`).
@@ -155,7 +155,7 @@ class TransactionMixin:
                 update(clip)
                 lr_var.assign(base_lr)
 
-        new_finite = ng_ops._finite_flags([plan.state[j] for j in plan.floats])
+        new_finite = kernels.finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
         spike = threshold = None

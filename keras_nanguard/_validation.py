@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,3 +91,59 @@ def check_writable(directory: str, name: str) -> None:
         raise ValueError(
             f"`{name}` must be a writable directory. Received: {name}={directory!r} ({err})"
         ) from err
+
+
+# The faults `faults` injects, by name.
+_NAMED = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def fault_value(value: str | float, name: str = "value") -> float:
+    """A fault to inject: `"nan"`, `"inf"`, `"-inf"` or a number, as a float."""
+    if isinstance(value, str):
+        if value.lower() not in _NAMED:
+            raise ValueError(
+                f"`{name}` must be 'nan', 'inf', '-inf' or a number. "
+                f"Received: {name}={value!r}"
+            )
+        return _NAMED[value.lower()]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"`{name}` must be 'nan', 'inf', '-inf' or a number. "
+            f"Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def check_steps(
+    at_steps: Iterable[int] | int, name: str = "at_steps", given: Any = None
+) -> tuple[int, ...]:
+    """Sorted distinct 0-based indices; errors show `given` (what the user
+    passed) when the indices were taken out of it."""
+    given = at_steps if given is None else given
+    if is_int(at_steps):
+        at_steps = [at_steps]
+    try:
+        steps = tuple(at_steps)
+    except TypeError as err:
+        raise TypeError(
+            f"`{name}` must be an int or a list of ints >= 0. "
+            f"Received: {name}={given!r}"
+        ) from err
+    if not all(is_int(s, 0) for s in steps):
+        raise ValueError(
+            f"`{name}` must hold ints >= 0 (0-based indices). "
+            f"Received: {name}={given!r}"
+        )
+    return tuple(sorted({int(s) for s in steps}))
+
+
+def check_indices(name: str, value: Sequence[int] | int, size: int) -> list[int]:
+    """`value` (an index or several) as ints, if each indexes `size` entries."""
+    values = [value] if isinstance(value, int | np.integer) else list(value)
+    bad = [v for v in values if not -size <= int(v) < size]
+    if bad:
+        raise ValueError(
+            f"`{name}` must index the {size} entries there are (from {-size} to "
+            f"{size - 1}). Received: {name}={value!r}"
+        )
+    return [int(v) for v in values]

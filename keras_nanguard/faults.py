@@ -28,48 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_nanguard._validation import is_int
-
-_NAMED = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _fault_value(value: str | float, name: str = "value") -> float:
-    if isinstance(value, str):
-        if value.lower() not in _NAMED:
-            raise ValueError(
-                f"`{name}` must be 'nan', 'inf', '-inf' or a number. "
-                f"Received: {name}={value!r}"
-            )
-        return _NAMED[value.lower()]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"`{name}` must be 'nan', 'inf', '-inf' or a number. "
-            f"Received: {name}={value!r}"
-        )
-    return float(value)
-
-
-def _steps(
-    at_steps: Iterable[int] | int, name: str = "at_steps", given: Any = None
-) -> tuple[int, ...]:
-    """Sorted distinct 0-based indices; errors show `given` (what the user
-    passed) when the indices were taken out of it."""
-    given = at_steps if given is None else given
-    if is_int(at_steps):
-        at_steps = [at_steps]
-    try:
-        steps = tuple(at_steps)
-    except TypeError as err:
-        raise TypeError(
-            f"`{name}` must be an int or a list of ints >= 0. "
-            f"Received: {name}={given!r}"
-        ) from err
-    if not all(is_int(s, 0) for s in steps):
-        raise ValueError(
-            f"`{name}` must hold ints >= 0 (0-based indices). "
-            f"Received: {name}={given!r}"
-        )
-    return tuple(sorted({int(s) for s in steps}))
+from keras_nanguard._validation import check_indices, check_steps, fault_value, is_int
 
 
 def poison(
@@ -103,25 +62,14 @@ def poison(
     if out.ndim == 0:
         raise ValueError(f"`x` must have a sample axis. Received: x.shape={out.shape}")
     flat = out.reshape(out.shape[0], -1)
-    rows_ = _indices("rows", rows, flat.shape[0])
-    bad = _fault_value(value)
+    rows_ = check_indices("rows", rows, flat.shape[0])
+    bad = fault_value(value)
     if columns is None:
         flat[rows_] = bad
     else:
-        cols = _indices("columns", columns, flat.shape[1])
+        cols = check_indices("columns", columns, flat.shape[1])
         flat[np.ix_(rows_, cols)] = bad
     return flat.reshape(out.shape)
-
-
-def _indices(name: str, value: Sequence[int] | int, size: int) -> list[int]:
-    values = [value] if isinstance(value, int | np.integer) else list(value)
-    bad = [v for v in values if not -size <= int(v) < size]
-    if bad:
-        raise ValueError(
-            f"`{name}` must index the {size} entries there are (from {-size} to "
-            f"{size - 1}). Received: {name}={value!r}"
-        )
-    return [int(v) for v in values]
 
 
 class PoisonedBatches(keras.utils.PyDataset):
@@ -195,11 +143,11 @@ class PoisonedBatches(keras.utils.PyDataset):
             )
         self.batch_size = batch_size
         if isinstance(bad_batches, Mapping):
-            indices = _steps(list(bad_batches), "bad_batches", given=bad_batches)
-            values = {int(b): _fault_value(v) for b, v in bad_batches.items()}
+            indices = check_steps(list(bad_batches), "bad_batches", given=bad_batches)
+            values = {int(b): fault_value(v) for b, v in bad_batches.items()}
         else:
-            indices = _steps(bad_batches, "bad_batches")
-            values = dict.fromkeys(indices, _fault_value(value))
+            indices = check_steps(bad_batches, "bad_batches")
+            values = dict.fromkeys(indices, fault_value(value))
         self.bad_batches = {b: values[b] for b in indices}
         if any(b >= len(self) for b in self.bad_batches):
             raise ValueError(
@@ -272,7 +220,7 @@ class GradientFault(keras.layers.Layer):
             raise ValueError(
                 f"`value` must be 'nan' or 'inf'. Received: value={value!r}"
             )
-        self.at_steps = _steps(at_steps)
+        self.at_steps = check_steps(at_steps)
         self.value = value
         self.calls = self.add_weight(
             shape=(), dtype="int32", initializer="zeros", trainable=False, name="calls"
@@ -318,7 +266,7 @@ def corrupt_gradients(
     >>> ops.convert_to_numpy(g[1]).tolist()
     [inf]
     """
-    bad = _fault_value(value)
+    bad = fault_value(value)
     grads = list(grads)
     if not -len(grads) <= index < len(grads):
         raise ValueError(
@@ -383,7 +331,7 @@ class LearningRateSpike(keras.callbacks.Callback):
 
     def __init__(self, at_steps: Iterable[int] | int, factor: float) -> None:
         super().__init__()
-        self.at_steps = _steps(at_steps)
+        self.at_steps = check_steps(at_steps)
         # inf is allowed: a spike to an infinite learning rate is a fault too.
         if isinstance(factor, bool) or not (
             isinstance(factor, int | float) and factor > 0

@@ -12,26 +12,16 @@ import numpy as np
 
 from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
+from keras_nanguard._inner import (
+    check_clipping,
+    forwarded,
+    refuse_unknown,
+    resolve_inner,
+)
 from keras_nanguard._model_state import ModelStateMixin
 from keras_nanguard._reports import _COUNTERS, _COUNTERS_0_1, ReportsMixin
 from keras_nanguard._transaction import TransactionMixin, _Plans
 from keras_nanguard._validation import check_in, check_int, check_positive
-
-
-def _forwarded(name: str) -> property:
-    """An attribute of `keras.optimizers.Optimizer` that belongs to the inner
-    optimizer: read and written through the wrapper."""
-
-    def get(self: SafeOptimizer) -> Any:
-        return getattr(self.inner_optimizer, name)
-
-    def set_(self: SafeOptimizer, value: Any) -> None:
-        # The base class's __init__ writes its own defaults before the inner
-        # optimizer is known; those are not the user's and are dropped.
-        if "inner_optimizer" in self.__dict__:
-            setattr(self.inner_optimizer, name, value)
-
-    return property(get, set_, doc=f"The inner optimizer's `{name}`.")
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -40,65 +30,38 @@ class SafeOptimizer(
 ):
     r"""Wraps any Keras optimizer so that a bad step is never applied.
 
-    Every call to `apply` (and so every `model.fit` step) is a transaction:
+    Every call to `apply` (and so every `model.fit` step) is a transaction,
+    decided on the device inside the compiled step: the global norm of the
+    raw gradients is computed once (in float32, without overflow for large
+    but finite gradients); a NaN or inf gradient rejects the step; otherwise
+    the gradients are clipped to a global norm of `clipnorm` when set
+    (:math:`g \leftarrow g \cdot \min(1, c / \|g\|)`) and the inner
+    optimizer updates; a new weight or optimizer variable (moments, EMA,
+    accumulators) that is not finite rejects the step. A rejected step leaves
+    the trainable weights, every optimizer variable and `iterations` (so the
+    learning-rate schedule position) bit-identical; only the counters change.
 
-    1. the global norm of the raw gradients is computed once, in float32,
-       without overflow for large but finite gradients;
-    2. if any gradient is NaN or inf, the step is rejected;
-    3. otherwise the gradients are clipped to a global norm of `clipnorm`
-       (when set): :math:`g \leftarrow g \cdot \min(1, c / \|g\|)`, and the
-       inner optimizer computes its update;
-    4. if any new weight or any new optimizer variable (moments, velocities,
-       EMA, accumulators) is not finite, the step is rejected;
-    5. a rejected step leaves the trainable weights, every optimizer variable
-       and `iterations` (so also the learning-rate schedule position)
-       bit-identical to what they were; only the counters below change.
+    What the forward pass writes (BatchNormalization statistics, seed
+    generators, torch buffers) is covered too once the model is tied in:
+    `opt.attach(model)` for `fit` (`NaNGuard` does it for you),
+    `with opt.transaction(model):` around a custom TensorFlow or torch step,
+    `opt.stateless_commit(...)` in a JAX stateless loop.
 
-    The forward pass writes state of its own before the optimizer runs
-    (BatchNormalization statistics, other non-trainable variables,
-    seed-generator state, torch buffers inside `TorchModuleWrapper`). Keras
-    does not tell an optimizer which model it trains, so one call ties them:
-    `opt.attach(model)` for `fit`/`train_on_batch` (`NaNGuard` makes it for
-    you), `with opt.transaction(model):` around a custom TensorFlow or torch
-    step, `opt.stateless_commit(...)` in a JAX stateless loop. A rejected
-    step then leaves that state bit-identical too; seed-generator state
-    included, so a rejected step does not advance dropout's random stream
-    and training with bad batches equals training without them.
+    Counters are scalar optimizer variables, saved with the optimizer; read
+    them with `int(...)`/`float(...)` or all at once with `counters()` (the
+    README has a table): `skipped_steps`, `consecutive_skips`,
+    `nonfinite_gradient_steps`, `nonfinite_update_steps`, `spike_steps`,
+    `clipped_steps` (0 with gradient accumulation, where the inner optimizer
+    clips), `last_grad_norm`, `rejected_grad_norm`, `accepted_grad_norm`,
+    `lr_scale`, and `last_rejection` (0 never, 1 gradient, 2 update, 3 spike;
+    in words with `describe_last_rejection()`, which names the first variable
+    involved: `last_nonfinite_index` counts the model's trainable variables,
+    then the inner optimizer's).
 
-    The decision is taken on the device, inside the compiled step
-    (`tf.function`, XLA, `jax.jit`). Costs are measured in BENCHMARKS.md.
-
-    Counters (scalar optimizer variables, saved with the optimizer; read them
-    with `int(...)`/`float(...)` or all at once with `counters()`):
-
-    - `skipped_steps`: rejected steps in total.
-    - `consecutive_skips`: rejected steps since the last accepted one (0
-      exactly when the last step was accepted).
-    - `nonfinite_gradient_steps`: rejected because a gradient was NaN/inf.
-    - `nonfinite_update_steps`: rejected because the update would have made a
-      weight or an optimizer variable NaN/inf.
-    - `clipped_steps`: accepted steps whose gradients were clipped (with
-      gradient accumulation, the inner optimizer clips the accumulated
-      gradient and this counter stays 0).
-    - `last_grad_norm`: global norm of the raw gradients of the last step
-      (NaN or inf when they were not finite).
-    - `rejected_grad_norm`: the same for the last rejected step.
-    - `last_rejection`: why the last rejected step was rejected
-      (0 never, 1 gradient, 2 update, 3 spike); `describe_last_rejection()` says it in
-      words, naming the first variable involved (`last_nonfinite_index` is
-      its position in the model's trainable variables followed by the inner
-      optimizer's variables).
-    - `lr_scale`: the current learning-rate back-off factor (1 without it).
-    - `accepted_grad_norm`: global norm of the raw gradients of the last
-      accepted step.
-    - `spike_steps`: rejected as gradient spikes (with `spike_sigma`).
-
-    Everything else of `keras.optimizers.Optimizer` is the inner optimizer's,
-    read and set through the wrapper: `learning_rate` (and schedules),
-    `iterations`, `weight_decay`, `exclude_from_weight_decay()`, EMA
-    (`use_ema`, `finalize_variable_values()`), `gradient_accumulation_steps`
-    (`clipnorm` then clips the accumulated gradient that is applied).
-    `variables` are the counters followed by the inner optimizer's variables.
+    Everything else of `keras.optimizers.Optimizer` (`learning_rate` and
+    schedules, `iterations`, weight decay, EMA, gradient accumulation) is the
+    inner optimizer's, read and set through the wrapper. `variables` are the
+    counters followed by the inner optimizer's variables.
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` to wrap, or the name of a
@@ -111,23 +74,20 @@ class SafeOptimizer(
         lr_backoff: float in (0, 1) or `None`. If set, every rejected step
             multiplies the learning rate by this factor (down to
             `min_lr_scale` times the original), and every `lr_recovery_steps`
-            accepted steps in a row divide it back, up to the original. The
-            inner optimizer needs a float learning rate (not a schedule) for
-            this. Defaults to `None`.
+            accepted steps in a row divide it back, up to the original. Needs
+            a float inner learning rate, not a schedule. Defaults to `None`.
         lr_recovery_steps: int >= 1. Accepted steps in a row before the
             learning rate recovers one back-off factor. Defaults to 100.
         min_lr_scale: float in (0, 1]. Lowest learning-rate scale the back-off
             reaches. Defaults to 1e-3.
         max_consecutive_skips: int >= 1 or `None`. After this many rejected
             steps in a row the optimizer halts: it rejects every further step
-            (it never gives up and applies a bad update) and raises
-            `keras_nanguard.NonFiniteError` at the next point where it runs
-            on the host: at once in eager custom loops and in `fit` steps of
-            an optimizer that is not attached (torch, `run_eagerly=True`), or
-            when you call `check_halted()`. In `fit` steps of an attached
-            optimizer and in compiled ones, a `NaNGuard` treats the halt as
-            trouble and follows its policy (its rollback resets the streak);
-            without one, `fit` warns when it ends. Defaults to `None`.
+            and raises `keras_nanguard.NonFiniteError` where it next runs on
+            the host: at once in eager custom loops and in eager `fit` steps
+            of an unattached optimizer (torch, `run_eagerly=True`), or at
+            `check_halted()`. In other `fit` steps a `NaNGuard` treats the
+            halt as trouble and follows its policy; without one, `fit` warns
+            when it ends. Defaults to `None`.
         spike_sigma: float > 0 or `None`. If set, a step whose raw global
             gradient norm is more than `spike_sigma` standard deviations above
             the mean of the last `spike_window` steps' norms is rejected
@@ -157,14 +117,14 @@ class SafeOptimizer(
     True
     """
 
-    weight_decay = _forwarded("weight_decay")
-    global_clipnorm = _forwarded("global_clipnorm")
-    clipvalue = _forwarded("clipvalue")
-    use_ema = _forwarded("use_ema")
-    ema_momentum = _forwarded("ema_momentum")
-    ema_overwrite_frequency = _forwarded("ema_overwrite_frequency")
-    loss_scale_factor = _forwarded("loss_scale_factor")
-    gradient_accumulation_steps = _forwarded("gradient_accumulation_steps")
+    weight_decay = forwarded("weight_decay")
+    global_clipnorm = forwarded("global_clipnorm")
+    clipvalue = forwarded("clipvalue")
+    use_ema = forwarded("use_ema")
+    ema_momentum = forwarded("ema_momentum")
+    ema_overwrite_frequency = forwarded("ema_overwrite_frequency")
+    loss_scale_factor = forwarded("loss_scale_factor")
+    gradient_accumulation_steps = forwarded("gradient_accumulation_steps")
 
     def __init__(
         self,
@@ -180,20 +140,10 @@ class SafeOptimizer(
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs:
-            hint = ""
-            if {"global_clipnorm", "clipvalue"} & set(kwargs):
-                hint = (
-                    " SafeOptimizer clips by global norm with `clipnorm`; set "
-                    "other clipping on the inner optimizer."
-                )
-            raise TypeError(
-                f"SafeOptimizer got unknown keyword arguments {sorted(kwargs)}."
-                f"{hint} Received: {kwargs}"
-            )
-        inner = _resolve_inner(optimizer)
+        refuse_unknown(kwargs)
+        inner = resolve_inner(optimizer)
         clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
-        _check_clipping(inner, clipnorm)
+        check_clipping(inner, clipnorm)
         if lr_backoff is not None:
             lr_backoff = check_in("lr_backoff", lr_backoff, 0, 1, closed_high=False)
             if not isinstance(inner.learning_rate, keras.Variable):
@@ -425,58 +375,3 @@ def find_safe_optimizer(optimizer: Any) -> SafeOptimizer | None:
         optimizer = getattr(optimizer, "inner_optimizer", None)
         seen += 1
     return None
-
-
-def _check_clipping(inner: keras.optimizers.Optimizer, clipnorm: float | None) -> None:
-    if clipnorm is None:
-        return
-    inner_clip = {
-        k: getattr(inner, k)
-        for k in ("clipnorm", "global_clipnorm", "clipvalue")
-        if getattr(inner, k, None) is not None
-    }
-    if inner_clip:
-        raise ValueError(
-            "Set gradient clipping on the SafeOptimizer or on the inner "
-            "optimizer, not both: clipping before the finiteness check "
-            "turns every gradient into NaN when the norm is not finite. "
-            f"Received: clipnorm={clipnorm} and inner optimizer {inner_clip}"
-        )
-
-
-def _resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
-    if isinstance(optimizer, str):
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as err:
-            raise ValueError(
-                "`optimizer` must be a Keras optimizer or the name of a built-in "
-                f"one. Received: optimizer={optimizer!r}"
-            ) from err
-    if isinstance(optimizer, SafeOptimizer):
-        raise ValueError(
-            "`optimizer` is already a SafeOptimizer; wrapping it twice would "
-            f"count and check every step twice. Received: optimizer={optimizer!r}"
-        )
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "Wrap the other way round: LossScaleOptimizer(SafeOptimizer(...)). "
-            "Under the `mixed_float16` policy, `model.compile` does this for "
-            "you when given a SafeOptimizer; a SafeOptimizer inside a "
-            "LossScaleOptimizer sees unscaled gradients. "
-            f"Received: optimizer={optimizer!r}"
-        )
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`optimizer` must be a `keras.optimizers.Optimizer` instance (Keras "
-            f"3) or its name. Received: optimizer={optimizer!r} of type "
-            f"{type(optimizer).__name__}"
-        )
-    if optimizer.loss_scale_factor is not None:
-        raise ValueError(
-            "The inner optimizer scales the loss (`loss_scale_factor`), so "
-            "SafeOptimizer would see scaled gradients. Remove it; for mixed "
-            "precision use LossScaleOptimizer(SafeOptimizer(...)). Received: "
-            f"loss_scale_factor={optimizer.loss_scale_factor}"
-        )
-    return optimizer

@@ -5,9 +5,11 @@ optimizer variable, kept only when all of them are finite. `capture` copies
 them on the device (JAX, torch, when the device has room: at memory speed,
 without waiting for the steps in flight) and checks their finiteness there;
 `verify` reads that one flag later. `take` copies them to the host and checks
-them at once (TensorFlow, or no room on the device). Written to disk, it goes to a temporary file in the same directory which is then renamed
-over the previous one, so a crash mid-write leaves the previous snapshot
-loadable.
+them at once (TensorFlow, or no room on the device). Written to disk, it goes
+to a temporary file in the same directory which is then renamed over the
+previous one, so a crash mid-write leaves the previous snapshot loadable.
+Where values live (host reads, device copies, device room) is
+`_host_device.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard._host_device import (
+    device_copy,
+    device_room,
+    host_finite,
+    host_view,
+    to_host,
+)
 from keras_nanguard.ops import all_finite
 from keras_nanguard.safe_optimizer import find_safe_optimizer
 
@@ -79,8 +88,9 @@ class Snapshot:
     """Copies of a model's weights and optimizer variables.
 
     `values` are host arrays, or device arrays when `finite` is set: the
-    device flag of their finiteness, not yet read (see `verify`). The first `n_weights` values are the model's weights (`model.weights`),
-    the rest its optimizer's variables. `learning_rate` is the optimizer's
+    device flag of their finiteness, not yet read (see `verify`). The first
+    `n_weights` values are the model's weights (`model.weights`), the rest
+    its optimizer's variables. `learning_rate` is the optimizer's
     learning rate to go on with (`None` with a schedule): NaNGuard keeps it
     current when it lowers the rate, and `NaNGuard.restore` sets it.
     """
@@ -99,34 +109,6 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return sum(int(v.nbytes) for v in self.values)
-
-
-def host_view(v: Any) -> np.ndarray:
-    """The value of a variable or tensor on the host, sharing memory where the
-    backend allows.
-
-    Only for reading at once: on torch (CPU) it changes with `v`.
-    """
-    backend = keras.backend.backend()
-    value = v.value if isinstance(v, keras.Variable) else v
-    if backend == "tensorflow":
-        if hasattr(value, "read_value"):
-            value = value.read_value()  # a read is a copy-on-write view
-        return np.asarray(value)
-    if backend == "torch" and hasattr(value, "detach"):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
-def host_finite(value: np.ndarray) -> bool:
-    """Whether a host array holds no NaN or inf (non-float arrays always do)."""
-    if value.dtype.kind != "f":
-        return True
-    # A sum reads once and allocates nothing; only a non-finite sum (a NaN or
-    # inf, or an overflow of the sum itself) needs the exact check.
-    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf, overflow
-        total = value.sum()
-    return bool(np.isfinite(total)) or bool(np.isfinite(value).all())
 
 
 def nonfinite_variables(variables: list[keras.Variable]) -> list[str]:
@@ -198,7 +180,7 @@ def capture(
     """
     backend = keras.backend.backend()
     variables = _tracked(model)
-    if backend not in ("jax", "torch") or not _device_room(variables):
+    if backend not in ("jax", "torch") or not device_room(variables):
         host_into = into if into is not None and not into.on_device else None
         return take(model, epoch, step, into=host_into)
     start = time.perf_counter()
@@ -218,7 +200,7 @@ def capture(
             buffer.copy_(v.value.detach())
         values = into.values
     else:
-        values = [_device_copy(v.value) for v in variables]
+        values = [device_copy(v.value) for v in variables]
     skip = _unchecked(model)
     checked = [x for v, x in zip(variables, values, strict=True) if id(v) not in skip]
     snap = Snapshot(values, names, epoch, step, n_weights=len(model.weights))
@@ -238,63 +220,20 @@ def verify(snap: Snapshot) -> list[str]:
     ok = bool(keras.ops.convert_to_numpy(snap.finite))
     snap.finite = None
     if snap.lr_index is not None:  # read with the flag
-        snap.learning_rate = float(_to_host(snap.values[snap.lr_index]))
+        snap.learning_rate = float(to_host(snap.values[snap.lr_index]))
     snap.seconds += time.perf_counter() - start
     if ok:
         return []
     return [
         n
         for n, x in zip(snap.names, snap.values, strict=True)
-        if not host_finite(_to_host(x))
+        if not host_finite(to_host(x))
     ]
-
-
-def _device_copy(value: Any) -> Any:
-    if keras.backend.backend() == "jax":
-        import jax.numpy as jnp
-
-        return jnp.array(value, copy=True)  # a new buffer: the step donates its own
-    return value.detach().clone()
-
-
-def _device_room(variables: list[keras.Variable]) -> bool:
-    """Whether the device can hold three more copies of the state (the
-    rollback point, a new snapshot, a spare) with a quarter of it left free."""
-    need = 3 * sum(
-        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables
-    )
-    backend = keras.backend.backend()
-    try:
-        if backend == "torch":
-            import torch
-
-            value = variables[0].value if variables else None
-            if value is None or value.device.type != "cuda":
-                return True  # host memory: as for a host snapshot
-            free, total = torch.cuda.mem_get_info(value.device)
-            return need < free - total // 4
-        import jax
-
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return True  # CPU
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return need < free - stats["bytes_limit"] // 4
-    except Exception:  # no figures: the host is the safe place
-        return False
-
-
-def _to_host(value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "detach"):  # torch (on the CPU, shares memory)
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
 
 
 def host_values(snap: Snapshot) -> list[np.ndarray]:
     """Copies of the snapshot's values on the host."""
-    return [np.array(_to_host(v), copy=True) for v in snap.values]
+    return [np.array(to_host(v), copy=True) for v in snap.values]
 
 
 def restore(model: keras.Model, snapshot: Snapshot) -> None:
@@ -324,7 +263,7 @@ def _assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> No
             # JAX keeps an assigned array as is, and the next step donates
             # it: a device snapshot must lend a copy.
             v.assign(
-                _device_copy(value)
+                device_copy(value)
                 if copy and not isinstance(value, np.ndarray)
                 else value
             )
@@ -388,7 +327,7 @@ def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
             np.savez(
                 f,
                 __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                **{f"v{i}": _to_host(v) for i, v in enumerate(snapshot.values)},
+                **{f"v{i}": to_host(v) for i, v in enumerate(snapshot.values)},
             )
             f.flush()
             os.fsync(f.fileno())

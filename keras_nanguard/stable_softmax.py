@@ -9,7 +9,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_nanguard import ops as ng_ops
+from keras_nanguard import _kernels as kernels
 from keras_nanguard._validation import is_int, is_number
 
 _NAN_LOGITS = ("propagate", "mask")
@@ -174,7 +174,7 @@ class StableSoftmax(keras.layers.Layer):
             allowed = finite_or_inf if allowed is None else allowed & finite_or_inf
         if allowed is not None:
             x = ops.where(allowed, x, -np.inf)
-        out = ng_ops._softmax_parts(x, axis, log=self.log_probs)
+        out = kernels.softmax_parts(x, axis, log=self.log_probs)
         if self.min_prob > 0:
             out = self._floor(out, x, axis)
         if self.log_probs:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -167,6 +168,34 @@ def discounted(rewards: list[float], normalize: bool) -> np.ndarray:
     return out
 
 
+def _play_episode(
+    env: Any, policy: Any, rng: np.random.Generator, seed: int, max_steps: int
+) -> tuple[tuple[list, list, list, float] | None, ValueError | None]:
+    """One episode of `policy` in `env`.
+
+    Returns `((states, actions, rewards, min_p), None)`, `min_p` the smallest
+    action probability the policy gave, or `(None, err)` when `rng.choice`
+    refused the policy's probabilities (NaN).
+    """
+    state, _ = env.reset(seed=seed)
+    states, actions, rewards, min_p = [], [], [], 1.0
+    for _ in range(max_steps):
+        p = ops.convert_to_numpy(policy(state[None].astype("float32")))[0]
+        p = p.astype("float64")
+        min_p = min(min_p, float(p.min()))
+        try:
+            action = int(rng.choice(2, p=p / p.sum()))
+        except ValueError as err:  # NaN probabilities
+            return None, err
+        states.append(state)
+        actions.append(action)
+        state, reward, terminated, truncated, _ = env.step(action)
+        rewards.append(reward)
+        if terminated or truncated:
+            break
+    return (states, actions, rewards, min_p), None
+
+
 def train_agent(
     config: AgentConfig,
     episodes: int,
@@ -194,24 +223,12 @@ def train_agent(
 
     for episode in range(episodes):
         # Play an episode with the current policy (compiled, no gradients) ...
-        state, _ = env.reset(seed=seed + episode)
-        states, actions, rewards, min_p = [], [], [], 1.0
-        for _ in range(max_steps):
-            p = ops.convert_to_numpy(policy(state[None].astype("float32")))[0]
-            p = p.astype("float64")
-            min_p = min(min_p, float(p.min()))
-            try:
-                action = int(rng.choice(2, p=p / p.sum()))
-            except ValueError as err:  # NaN probabilities
-                result.crash = f"episode {episode}: np.random.choice: {err}"
-                env.close()
-                return result
-            states.append(state)
-            actions.append(action)
-            state, reward, terminated, truncated, _ = env.step(action)
-            rewards.append(reward)
-            if terminated or truncated:
-                break
+        played, err = _play_episode(env, policy, rng, seed + episode, max_steps)
+        if err is not None:
+            result.crash = f"episode {episode}: np.random.choice: {err}"
+            env.close()
+            return result
+        states, actions, rewards, min_p = played
         # ... then learn from it: the same forward pass, batched, under a tape.
         returns = discounted(rewards, config.normalize_returns)[:, None]
         x = np.array(states, "float32")

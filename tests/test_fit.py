@@ -159,69 +159,71 @@ def test_mixed_float16_model_fit():
     assert float(opt.learning_rate) == pytest.approx(1e-2)
 
 
+def _tf_loop(model, opt, batches):
+    import tensorflow as tf
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = LOSS(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
+        return loss
+
+    compiled = tf.function(step)
+    for i, (xb, yb) in enumerate(batches):
+        (step if i % 2 else compiled)(tf.constant(xb), tf.constant(yb))
+
+
+def _jax_loop(model, opt, batches):
+    import jax
+
+    opt.build(model.trainable_variables)
+
+    def loss_of(tv, ntv, xb, yb):
+        pred, ntv = model.stateless_call(tv, ntv, xb, training=True)
+        return LOSS(yb, pred), ntv
+
+    @jax.jit
+    def train_step(state, xb, yb):
+        tv, ntv, ov = state
+        (loss, ntv), grads = jax.value_and_grad(loss_of, has_aux=True)(tv, ntv, xb, yb)
+        tv, ov = opt.stateless_apply(ov, grads, tv)
+        return loss, (tv, ntv, ov)
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in opt.variables],
+    )
+    for xb, yb in batches:
+        _, state = train_step(state, xb, yb)
+    for v, value in zip(model.trainable_variables, state[0], strict=True):
+        v.assign(value)
+    for v, value in zip(opt.variables, state[2], strict=True):
+        v.assign(value)
+
+
+def _torch_loop(model, opt, batches):
+    import torch
+
+    for xb, yb in batches:
+        model.zero_grad()
+        loss = LOSS(torch.as_tensor(yb), model(torch.as_tensor(xb), training=True))
+        loss.backward()
+        grads = [v.value.grad for v in model.trainable_variables]
+        with torch.no_grad():
+            opt.apply(grads, model.trainable_variables)
+
+
 def test_custom_loop_eager_and_compiled():
     """The user's loop: compute grads, then `optimizer.apply_gradients`."""
     x, y = _data(64)
     model = _model()
     opt = ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=5.0)
-    loss_fn = LOSS
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
     batches[2] = (ng.faults.poison(batches[2][0], rows=[0]), batches[2][1])
-
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(yb, model(xb, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
-            return loss
-
-        compiled = tf.function(step)
-        for i, (xb, yb) in enumerate(batches):
-            (step if i % 2 else compiled)(tf.constant(xb), tf.constant(yb))
-    elif BACKEND == "jax":
-        import jax
-
-        opt.build(model.trainable_variables)
-
-        def loss_of(tv, ntv, xb, yb):
-            pred, ntv = model.stateless_call(tv, ntv, xb, training=True)
-            return loss_fn(yb, pred), ntv
-
-        @jax.jit
-        def train_step(state, xb, yb):
-            tv, ntv, ov = state
-            (loss, ntv), grads = jax.value_and_grad(loss_of, has_aux=True)(
-                tv, ntv, xb, yb
-            )
-            tv, ov = opt.stateless_apply(ov, grads, tv)
-            return loss, (tv, ntv, ov)
-
-        state = (
-            [v.value for v in model.trainable_variables],
-            [v.value for v in model.non_trainable_variables],
-            [v.value for v in opt.variables],
-        )
-        for xb, yb in batches:
-            _, state = train_step(state, xb, yb)
-        for v, value in zip(model.trainable_variables, state[0], strict=True):
-            v.assign(value)
-        for v, value in zip(opt.variables, state[2], strict=True):
-            v.assign(value)
-    else:
-        import torch
-
-        for xb, yb in batches:
-            model.zero_grad()
-            loss = loss_fn(
-                torch.as_tensor(yb), model(torch.as_tensor(xb), training=True)
-            )
-            loss.backward()
-            grads = [v.value.grad for v in model.trainable_variables]
-            with torch.no_grad():
-                opt.apply(grads, model.trainable_variables)
+    loop = {"tensorflow": _tf_loop, "jax": _jax_loop, "torch": _torch_loop}
+    loop[BACKEND](model, opt, batches)
 
     assert all_finite(model.weights)
     assert opt.counters()["skipped_steps"] == 1

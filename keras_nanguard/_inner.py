@@ -1,0 +1,101 @@
+"""The optimizer a SafeOptimizer wraps: the checks on it, and the attributes
+of `keras.optimizers.Optimizer` that are read and written through to it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import keras
+
+if TYPE_CHECKING:
+    from keras_nanguard.safe_optimizer import SafeOptimizer
+
+
+def forwarded(name: str) -> property:
+    """An attribute of `keras.optimizers.Optimizer` that belongs to the inner
+    optimizer: read and written through the wrapper."""
+
+    def get(self: SafeOptimizer) -> Any:
+        return getattr(self.inner_optimizer, name)
+
+    def set_(self: SafeOptimizer, value: Any) -> None:
+        # The base class's __init__ writes its own defaults before the inner
+        # optimizer is known; those are not the user's and are dropped.
+        if "inner_optimizer" in self.__dict__:
+            setattr(self.inner_optimizer, name, value)
+
+    return property(get, set_, doc=f"The inner optimizer's `{name}`.")
+
+
+def refuse_unknown(kwargs: dict[str, Any]) -> None:
+    """Unknown keyword arguments are an error, with a hint for clipping."""
+    if not kwargs:
+        return
+    hint = ""
+    if {"global_clipnorm", "clipvalue"} & set(kwargs):
+        hint = (
+            " SafeOptimizer clips by global norm with `clipnorm`; set "
+            "other clipping on the inner optimizer."
+        )
+    raise TypeError(
+        f"SafeOptimizer got unknown keyword arguments {sorted(kwargs)}."
+        f"{hint} Received: {kwargs}"
+    )
+
+
+def check_clipping(inner: keras.optimizers.Optimizer, clipnorm: float | None) -> None:
+    if clipnorm is None:
+        return
+    inner_clip = {
+        k: getattr(inner, k)
+        for k in ("clipnorm", "global_clipnorm", "clipvalue")
+        if getattr(inner, k, None) is not None
+    }
+    if inner_clip:
+        raise ValueError(
+            "Set gradient clipping on the SafeOptimizer or on the inner "
+            "optimizer, not both: clipping before the finiteness check "
+            "turns every gradient into NaN when the norm is not finite. "
+            f"Received: clipnorm={clipnorm} and inner optimizer {inner_clip}"
+        )
+
+
+def resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
+    """The optimizer to wrap, from an instance or a built-in one's name."""
+    from keras_nanguard.safe_optimizer import SafeOptimizer
+
+    if isinstance(optimizer, str):
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as err:
+            raise ValueError(
+                "`optimizer` must be a Keras optimizer or the name of a built-in "
+                f"one. Received: optimizer={optimizer!r}"
+            ) from err
+    if isinstance(optimizer, SafeOptimizer):
+        raise ValueError(
+            "`optimizer` is already a SafeOptimizer; wrapping it twice would "
+            f"count and check every step twice. Received: optimizer={optimizer!r}"
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "Wrap the other way round: LossScaleOptimizer(SafeOptimizer(...)). "
+            "Under the `mixed_float16` policy, `model.compile` does this for "
+            "you when given a SafeOptimizer; a SafeOptimizer inside a "
+            "LossScaleOptimizer sees unscaled gradients. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a `keras.optimizers.Optimizer` instance (Keras "
+            f"3) or its name. Received: optimizer={optimizer!r} of type "
+            f"{type(optimizer).__name__}"
+        )
+    if optimizer.loss_scale_factor is not None:
+        raise ValueError(
+            "The inner optimizer scales the loss (`loss_scale_factor`), so "
+            "SafeOptimizer would see scaled gradients. Remove it; for mixed "
+            "precision use LossScaleOptimizer(SafeOptimizer(...)). Received: "
+            f"loss_scale_factor={optimizer.loss_scale_factor}"
+        )
+    return optimizer
