@@ -164,11 +164,11 @@ def diagnose(
             "`optimizer` must be a Keras optimizer, its name, or None. "
             f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}"
         )
-    optimizer_vars = list(optimizer.variables) if optimizer is not None else []
-    saved = [
-        np.array(snapshots.host_view(v), copy=True)
-        for v in list(model.weights) + optimizer_vars
-    ]
+    # Every variable, seed generators' state included (not only `weights`):
+    # the probes' training-mode calls advance Dropout's random stream.
+    state = list(model.variables)
+    state += list(optimizer.variables) if optimizer is not None else []
+    saved = [np.array(snapshots.host_view(v), copy=True) for v in state]
     # _stages builds Diagnosis objects from this module: imported on first
     # use, not at the top, so that neither module imports the other half-made.
     from keras_nanguard import _stages
@@ -176,7 +176,7 @@ def diagnose(
     try:
         return _stages.run_stages(model, x, y, loss_of, leaves, optimizer)
     finally:
-        for v, value in zip(list(model.weights) + optimizer_vars, saved, strict=True):
+        for v, value in zip(state, saved, strict=True):
             v.assign(value)
 
 

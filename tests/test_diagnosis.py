@@ -347,6 +347,24 @@ def test_optimizer_state_is_left_untouched():
     assert_bit_identical(before, numpy(opt.variables), "optimizer state")
 
 
+def test_every_variable_is_left_untouched_seed_state_included():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4),
+            keras.layers.Dropout(0.5),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
+    )
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    before = numpy(model.variables)
+    assert len(before) > len(model.weights)  # the seed state is not a weight
+    assert ng.diagnose(model, x, y, loss="mse").healthy
+    assert_bit_identical(before, numpy(model.variables), "variables")
+
+
 def test_needs_a_loss():
     x, y = _xy()
     with pytest.raises(ValueError, match="`loss` is needed"):
