@@ -9,16 +9,18 @@ from typing import Any
 
 import keras
 
-from keras_nanguard import snapshots
+from keras_nanguard import _replay, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._loss_spikes import LossSpikes
 from keras_nanguard._responses import Responses
 from keras_nanguard._validation import (
+    check_choice,
+    check_in,
     check_int,
+    check_int_or_auto,
+    check_path,
     check_positive,
     check_writable,
-    is_int,
-    is_number,
 )
 from keras_nanguard._watch import REJECTED, BatchWatch
 from keras_nanguard.errors import NonFiniteError
@@ -172,23 +174,25 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             and standard deviation. Defaults to 100.
         loss_spike_patience: int >= 1: steps in a row above the threshold
             that make a loss spike. Defaults to 3.
-        directory: optional path; each snapshot that becomes the rollback
-            point is also written there, atomically, as
+        directory: optional `str` or `os.PathLike`; each snapshot that
+            becomes the rollback point is also written there, atomically, as
             `nanguard_snapshot.npz`, with the learning rate to go on with
             (NaNGuard's lowered one). When `fit` returns it holds the final
             state if that is finite. Load it with `NaNGuard.restore`.
             Defaults to `None`.
-        report_path: optional path of a JSON file with every incident,
-            rewritten atomically after each incident and at the end of
-            training. Defaults to `None`.
-        replay: optional `(x, y)` arrays or a `keras.utils.PyDataset` that
-            `fit` reads unshuffled; the batch of an incident is then kept in
-            `incident.batch_data` (and diagnosed, see `keras_nanguard.diagnose`).
-            With `steps_per_execution > 1`, the batch that holds a NaN or inf
-            if only one of the execution does, else all the execution's
-            batches, concatenated. Defaults to `None`.
-        batch_size: batch size used with array `replay` data. Defaults to 32.
-        verbose: 0 silent, 1 logs a line per incident (logger
+        report_path: optional `str` or `os.PathLike` of a JSON file with
+            every incident, rewritten atomically after each incident and at
+            the end of training. Defaults to `None`.
+        replay: optional `(x, y)` arrays (or `x` alone) or a
+            `keras.utils.PyDataset` that `fit` reads unshuffled; the batch of
+            an incident is then kept in `incident.batch_data` (and diagnosed,
+            see `keras_nanguard.diagnose`). With `steps_per_execution > 1`,
+            the batch that holds a NaN or inf if only one of the execution
+            does, else all the execution's batches, concatenated. Defaults
+            to `None`.
+        batch_size: int >= 1, the batch size of array `replay` data.
+            Defaults to 32.
+        verbose: 0 (silent) or 1: logs a line per incident (logger
             `"keras_nanguard"`, level WARNING). Defaults to 1.
 
     Example:
@@ -228,38 +232,16 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         verbose: int = 1,
     ) -> None:
         super().__init__()
-        if policy not in POLICIES:
-            raise ValueError(
-                f"`policy` must be one of {POLICIES}. Received: policy={policy!r}"
-            )
-        for name, value in (
-            ("snapshot_every", snapshot_every),
-            ("check_every", check_every),
-        ):
-            if value != "auto" and not is_int(value, 1):
-                raise ValueError(
-                    f"`{name}` must be an int >= 1 or 'auto'. "
-                    f"Received: {name}={value!r}"
-                )
-        if not (is_number(snapshot_budget) and 0 < snapshot_budget < 1):
-            raise ValueError(
-                "`snapshot_budget` must be in (0, 1). "
-                f"Received: snapshot_budget={snapshot_budget!r}"
-            )
-        if not (is_number(lr_factor) and 0 < lr_factor <= 1):
-            raise ValueError(
-                f"`lr_factor` must be in (0, 1]. Received: lr_factor={lr_factor!r}"
-            )
-        for name, value, low in (
-            ("skip_batches", skip_batches, 0),
-            ("patience", patience, 0),
-            ("max_rejections", max_rejections, 1),
-            ("batch_size", batch_size, 1),
-        ):
-            if not is_int(value, low):
-                raise ValueError(
-                    f"`{name}` must be an int >= {low}. Received: {name}={value!r}"
-                )
+        self.policy = check_choice("policy", policy, POLICIES)
+        self.snapshot_every = check_int_or_auto("snapshot_every", snapshot_every, 1)
+        self.snapshot_budget = check_in(
+            "snapshot_budget", snapshot_budget, 0, 1, closed_high=False
+        )
+        self.check_every = check_int_or_auto("check_every", check_every, 1)
+        self.lr_factor = check_in("lr_factor", lr_factor, 0, 1, closed_high=True)
+        self.skip_batches = check_int("skip_batches", skip_batches, 0)
+        self.patience = check_int("patience", patience, 0)
+        self.max_rejections = check_int("max_rejections", max_rejections, 1)
         self.loss_spike_sigma = check_positive(
             "loss_spike_sigma", loss_spike_sigma, allow_none=True
         )
@@ -267,19 +249,11 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         self.loss_spike_patience = check_int(
             "loss_spike_patience", loss_spike_patience, 1
         )
-        self.policy = policy
-        self.snapshot_every = snapshot_every
-        self.snapshot_budget = float(snapshot_budget)
-        self.check_every = check_every
-        self.lr_factor = float(lr_factor)
-        self.skip_batches = skip_batches
-        self.patience = patience
-        self.max_rejections = max_rejections
-        self.directory = None if directory is None else os.fspath(directory)
-        self.report_path = None if report_path is None else os.fspath(report_path)
-        self.replay = replay
-        self.batch_size = batch_size
-        self.verbose = verbose
+        self.directory = check_path("directory", directory, allow_none=True)
+        self.report_path = check_path("report_path", report_path, allow_none=True)
+        self.replay = _replay.check(replay)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.verbose = check_choice("verbose", verbose, (0, 1))
         self.incidents: list[Incident] = []
         self.rollbacks = 0
         # `snapshot` is the rollback point. A new snapshot is first pending
