@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import keras
@@ -142,19 +141,13 @@ class Responses:
         if inc.batch_data is not None:
             snapshots.sync_from_device(self._net)
             diagnose_batch(inc, self._net)
-        if self.verbose:
-            from keras_nanguard.nan_guard import _LOG
-
-            _LOG.warning("NaNGuard: %s", inc)
-        self._write_report()
+        self._write_report()  # told once its action is known (`_messages`)
 
     # ------------------------------------------------------------ actions
     def _trouble(self) -> None:
         inc = self.incidents[-1]
         if self.policy == "warn":
-            if inc.action != "warned":  # once per incident, not per batch
-                inc.action = "warned"
-                warnings.warn(f"NaNGuard: {inc}", stacklevel=2)
+            inc.action = "warned"  # warned once, by `_messages`
             return
         self._drop_pending()  # not yet proven by a healthy batch
         if self.snapshot is None:  # see `_start`

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from typing import Any
@@ -12,6 +11,7 @@ import keras
 from keras_nanguard import _replay, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._loss_spikes import LossSpikes
+from keras_nanguard._messages import Telling
 from keras_nanguard._responses import Responses
 from keras_nanguard._validation import (
     check_choice,
@@ -22,12 +22,11 @@ from keras_nanguard._validation import (
     check_positive,
     check_writable,
 )
-from keras_nanguard._watch import REJECTED, BatchWatch
+from keras_nanguard._watch import BatchWatch
 from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.incidents import Incident, write_json
+from keras_nanguard.incidents import Incident
 
 POLICIES = ("rollback", "stop", "raise", "warn")
-_LOG = logging.getLogger("keras_nanguard")
 # A batch end waits at most this long for the one before it (Keras's worker
 # threads may start them out of order); past it, it goes on regardless.
 _ORDER_TIMEOUT = 60.0
@@ -38,7 +37,7 @@ _MAX_LAG = 2
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
-class NaNGuard(Responses, keras.callbacks.Callback):
+class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
 
     NaNGuard is asynchronous on JAX and PyTorch (`async_safe`): it never
@@ -192,8 +191,11 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             to `None`.
         batch_size: int >= 1, the batch size of array `replay` data.
             Defaults to 32.
-        verbose: 0 (silent) or 1: logs a line per incident (logger
-            `"keras_nanguard"`, level WARNING). Defaults to 1.
+        verbose: 0 or 1: 1 tells each incident once its action is known, in
+            a log line (logger `"keras_nanguard"`, level WARNING) that starts
+            on a line of its own under `fit`'s progress bar. Whatever
+            `verbose`, `"warn"` tells its incidents as a `UserWarning`
+            instead, and `"raise"` in the `NonFiniteError`. Defaults to 1.
 
     Example:
 
@@ -296,7 +298,7 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         self._resumed_at = 0  # events of earlier steps ran on an undone state
         self._restored_at = -1  # `_now` when the snapshot was last restored
         self._discard_until: int | None = None
-        self._stopping = False
+        self._stopping = self._in_epoch = False
         # Keras's `Callback.model` syncs JAX state at each access (and so makes
         # the next step gather it again): NaNGuard reads it once per fit and
         # syncs only where it reads or changes the model.
@@ -344,7 +346,7 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         # reports it and `_trouble` finds no snapshot.
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch = epoch
+        self._epoch, self._in_epoch = epoch, True
         with self._lock:
             self._watch.begin_epoch(epoch, self._watch.steps_done)
 
@@ -399,10 +401,11 @@ class NaNGuard(Responses, keras.callbacks.Callback):
                 snap.epoch = epoch + 1
                 self._pendings.append(snap)
                 self._snapshots.done(snap.seconds)
+        self._tell()
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._now = self._watch.steps_done
+        self._now, self._in_epoch = self._watch.steps_done, False  # bar ended
         self._act(snapshot=False)
         if self._stopping and self._restored_at != self._now:
             self._restore()
@@ -414,8 +417,14 @@ class NaNGuard(Responses, keras.callbacks.Callback):
 
     def _act(self, snapshot: bool = True) -> None:
         """The training thread's turn: acts on what the batch ends found,
-        promotes a proven snapshot, takes a due one. Touches the model only
-        when there is something to do."""
+        promotes a proven snapshot, takes a due one, then tells the new
+        incidents. Touches the model only when there is something to do."""
+        try:
+            self._take_turn(snapshot)
+        finally:
+            self._tell()
+
+    def _take_turn(self, snapshot: bool) -> None:
         with self._lock:
             events, self._watch.events = self._watch.events, []
             healthy = self._watch.healthy_step
@@ -453,48 +462,6 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         if snap is not None:
             snap.epoch = self._epoch + 1
             self._keep(snap)
-
-    def _publish(self, logs: dict) -> None:
-        logs["nanguard_incidents"] = len(self.incidents)
-        logs["nanguard_rollbacks"] = self.rollbacks
-        if self._safe is not None:  # an attached step logs its own, exactly
-            logs.setdefault(REJECTED, self._watch.rejected)
-
-    def report(self) -> dict[str, Any]:
-        """Everything NaNGuard saw, as a JSON-ready dict.
-
-        Example:
-
-        >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().report()["incidents"]
-        []
-        """
-        return {
-            "policy": self.policy,
-            "rollbacks": self.rollbacks,
-            "incidents": [i.to_dict() for i in self.incidents],
-        }
-
-    def summary(self) -> str:
-        """The incidents in words, one per line.
-
-        Example:
-
-        >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().summary()
-        'NaNGuard: no incidents.'
-        """
-        if not self.incidents:
-            return "NaNGuard: no incidents."
-        lines = [
-            f"NaNGuard: {len(self.incidents)} incidents, {self.rollbacks} rollbacks."
-        ]
-        lines += [f"  {i}" for i in self.incidents]
-        return "\n".join(lines)
-
-    def _write_report(self) -> None:
-        if self.report_path is not None:
-            write_json(self.report_path, self.report())
 
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
