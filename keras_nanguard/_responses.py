@@ -303,6 +303,36 @@ class Responses:
         snapshots.save(snap, self.directory)
         return time.perf_counter() - start
 
+    def _start(self) -> None:
+        """Takes the first snapshot, once the model has its variables."""
+        self._started = True
+        optimizer = self._net.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self._net.trainable_variables)
+        snap, bad = self._capture(verify=True)
+        if snap is not None:
+            self._keep(snap)
+            self._restored_at = self._now  # the state is the rollback point's
+        elif self._now == 0:
+            raise NonFiniteError(
+                "NaNGuard: the model is already non-finite before training starts "
+                f"({', '.join(bad[:5])}); there is no good state to protect. "
+                "Re-initialise or load good weights first."
+            )
+        # else: the first step of a model built by `fit` went bad; its event
+        # reports it and `_trouble` finds no snapshot.
+
+    def _keep_final_state(self) -> None:
+        """Makes the state `fit` returns the rollback point (and writes it to
+        `directory`) if it is finite: nothing comes after it to prove it."""
+        if self._pendings and self._pendings[-1].step == self._now:
+            self._keep(self._pendings[-1])  # taken (and read) at the epoch end
+            return
+        snap, _ = self._capture(verify=True)
+        if snap is not None:
+            snap.epoch = self._epoch + 1
+            self._keep(snap)
+
     # ------------------------------------------------------------ counters
     def _poll_counters(
         self, steps: int, step_seconds: float | None, force: bool
