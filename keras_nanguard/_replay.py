@@ -8,6 +8,36 @@ import keras
 import numpy as np
 
 
+def check(data: Any) -> Any:
+    """`data` if `batches` can read it: `None`, a `keras.utils.PyDataset`,
+    `(x, y)` arrays of one length, or `x` alone (sliceable, with a length)."""
+    if data is None or isinstance(data, keras.utils.PyDataset):
+        return data
+    pair = isinstance(data, tuple | list)
+    message = (
+        "`replay` must be `(x, y)` arrays, `x` alone, a keras.utils.PyDataset "
+        f"or None. Received: replay={data!r:.200}"
+    )
+    if pair and len(data) != 2:
+        raise ValueError(message)
+    if not all(map(_sliceable, data if pair else [data])):
+        raise TypeError(message)
+    if pair and len(data[0]) != len(data[1]):
+        raise ValueError(
+            "`replay` must be `(x, y)` arrays of the same length. Received: "
+            f"len(x)={len(data[0])}, len(y)={len(data[1])}"
+        )
+    return data
+
+
+def _sliceable(value: Any) -> bool:
+    return (
+        hasattr(value, "__len__")
+        and hasattr(value, "__getitem__")
+        and not isinstance(value, str | bytes | dict)
+    )
+
+
 def batches(
     data: Any, batch_size: int, first: int, last: int
 ) -> tuple[Any, int | None]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import keras
@@ -142,19 +141,13 @@ class Responses:
         if inc.batch_data is not None:
             snapshots.sync_from_device(self._net)
             diagnose_batch(inc, self._net)
-        if self.verbose:
-            from keras_nanguard.nan_guard import _LOG
-
-            _LOG.warning("NaNGuard: %s", inc)
-        self._write_report()
+        self._write_report()  # told once its action is known (`_messages`)
 
     # ------------------------------------------------------------ actions
     def _trouble(self) -> None:
         inc = self.incidents[-1]
         if self.policy == "warn":
-            if inc.action != "warned":  # once per incident, not per batch
-                inc.action = "warned"
-                warnings.warn(f"NaNGuard: {inc}", stacklevel=2)
+            inc.action = "warned"  # warned once, by `_messages`
             return
         self._drop_pending()  # not yet proven by a healthy batch
         if self.snapshot is None:  # see `_start`
@@ -309,6 +302,36 @@ class Responses:
         snap.learning_rate = snapshots.learning_rate(self._net)
         snapshots.save(snap, self.directory)
         return time.perf_counter() - start
+
+    def _start(self) -> None:
+        """Takes the first snapshot, once the model has its variables."""
+        self._started = True
+        optimizer = self._net.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self._net.trainable_variables)
+        snap, bad = self._capture(verify=True)
+        if snap is not None:
+            self._keep(snap)
+            self._restored_at = self._now  # the state is the rollback point's
+        elif self._now == 0:
+            raise NonFiniteError(
+                "NaNGuard: the model is already non-finite before training starts "
+                f"({', '.join(bad[:5])}); there is no good state to protect. "
+                "Re-initialise or load good weights first."
+            )
+        # else: the first step of a model built by `fit` went bad; its event
+        # reports it and `_trouble` finds no snapshot.
+
+    def _keep_final_state(self) -> None:
+        """Makes the state `fit` returns the rollback point (and writes it to
+        `directory`) if it is finite: nothing comes after it to prove it."""
+        if self._pendings and self._pendings[-1].step == self._now:
+            self._keep(self._pendings[-1])  # taken (and read) at the epoch end
+            return
+        snap, _ = self._capture(verify=True)
+        if snap is not None:
+            snap.epoch = self._epoch + 1
+            self._keep(snap)
 
     # ------------------------------------------------------------ counters
     def _poll_counters(

@@ -27,10 +27,12 @@ def is_int(value: Any, low: int | None = None) -> bool:
 
 def is_number(value: Any) -> bool:
     """A finite real number (Python or NumPy, not bool)."""
-    return (
-        isinstance(value, int | float | np.integer | np.floating)
-        and not isinstance(value, bool | np.bool_)
-        and math.isfinite(value)
+    return _is_real(value) and math.isfinite(value)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not (
+        isinstance(value, bool | np.bool_)
     )
 
 
@@ -38,9 +40,7 @@ def check_positive(name: str, value: Any, allow_none: bool = False) -> Any:
     """`value` as a float, if it is a finite number > 0 (or None if allowed)."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool | np.bool_) or not isinstance(
-        value, int | float | np.integer | np.floating
-    ):
+    if not _is_real(value):
         raise TypeError(
             f"`{name}` must be a positive number. Received: {name}={value!r}"
         )
@@ -55,14 +55,13 @@ def check_in(
     name: str, value: Any, low: float, high: float, *, closed_high: bool
 ) -> float:
     """`value` as a float, if it is a number in (low, high) or (low, high]."""
-    value = check_positive(name, value) if low == 0 else value
+    bracket = "]" if closed_high else ")"
+    what = f"in ({low:g}, {high:g}{bracket}"
+    if not _is_real(value):
+        raise TypeError(f"`{name}` must be a number {what}. Received: {name}={value!r}")
     inside = low < value < high or (closed_high and value == high)
-    if not inside:
-        bracket = "]" if closed_high else ")"
-        raise ValueError(
-            f"`{name}` must be in ({low:g}, {high:g}{bracket}. "
-            f"Received: {name}={value!r}"
-        )
+    if not inside:  # NaN too
+        raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
     return float(value)
 
 
@@ -78,6 +77,49 @@ def check_int(name: str, value: Any, low: int, allow_none: bool = False) -> Any:
             f"`{name}` must be an integer >= {low}. Received: {name}={value!r}"
         )
     return int(value)
+
+
+def check_int_or_auto(name: str, value: Any, low: int) -> int | str:
+    """`value` as an int if it is an integer >= `low`, or `"auto"`."""
+    message = (
+        f"`{name}` must be an integer >= {low} or 'auto'. Received: {name}={value!r}"
+    )
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(message)
+        return "auto"
+    if not is_int(value):
+        raise TypeError(message)
+    if value < low:
+        raise ValueError(message)
+    return int(value)
+
+
+def check_choice(
+    name: str, value: Any, choices: tuple[str, ...] | tuple[int, ...]
+) -> Any:
+    """`value` if it is one of `choices`: all strings, or all integers (NumPy
+    integers count, bools do not)."""
+    text = isinstance(choices[0], str)
+    message = f"`{name}` must be one of {choices}. Received: {name}={value!r}"
+    if not (isinstance(value, str) if text else is_int(value)):
+        raise TypeError(message)
+    if value not in choices:
+        raise ValueError(message)
+    return str(value) if text else int(value)
+
+
+def check_path(name: str, value: Any, allow_none: bool = False) -> str | None:
+    """`value` as a `str` path, if it is a non-empty `str` or `os.PathLike`."""
+    if value is None and allow_none:
+        return None
+    path = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(path, str):
+        what = "a str or an os.PathLike" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {what}. Received: {name}={value!r}")
+    if not path:
+        raise ValueError(f"`{name}` must not be empty. Received: {name}={value!r}")
+    return path
 
 
 def check_writable(directory: str, name: str) -> None:

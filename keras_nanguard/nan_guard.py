@@ -2,30 +2,31 @@
 
 from __future__ import annotations
 
-import logging
+import inspect
 import os
 import threading
 from typing import Any
 
 import keras
 
-from keras_nanguard import snapshots
+from keras_nanguard import _replay, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._loss_spikes import LossSpikes
+from keras_nanguard._messages import Telling
 from keras_nanguard._responses import Responses
 from keras_nanguard._validation import (
+    check_choice,
+    check_in,
     check_int,
+    check_int_or_auto,
+    check_path,
     check_positive,
     check_writable,
-    is_int,
-    is_number,
 )
-from keras_nanguard._watch import REJECTED, BatchWatch
-from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.incidents import Incident, write_json
+from keras_nanguard._watch import BatchWatch
+from keras_nanguard.incidents import Incident
 
 POLICIES = ("rollback", "stop", "raise", "warn")
-_LOG = logging.getLogger("keras_nanguard")
 # A batch end waits at most this long for the one before it (Keras's worker
 # threads may start them out of order); past it, it goes on regardless.
 _ORDER_TIMEOUT = 60.0
@@ -36,127 +37,57 @@ _MAX_LAG = 2
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
-class NaNGuard(Responses, keras.callbacks.Callback):
+class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
 
-    NaNGuard is asynchronous on JAX and PyTorch (`async_safe`): it never
-    makes training wait for the device. There Keras runs its batch-end work
-    in a background thread, with the logs already read; NaNGuard only
-    reads the logs, keeps the figures and notes what needs doing. What
-    reads or changes the model (snapshots, rollback, stop, the learning
-    rate, describing an incident) happens on the training thread at the
-    next batch *begin*, at the end of the epoch, or at the end of training:
-    a few steps after the bad batch, as many as the device runs behind.
-    With a SafeOptimizer nothing bad is applied in between (it rejects it).
-    On TensorFlow (and whenever another callback makes Keras call batch
-    ends on the training thread) the same actions happen at that batch's
-    end.
-
-    What it watches:
-
-    - every batch's loss and metrics: Keras logs running means, so NaNGuard
-      excludes a bad batch from them (see below) and sees every bad batch;
-    - the total of steps rejected by a `SafeOptimizer` (also inside a
-      `LossScaleOptimizer`), which NaNGuard attaches to the model: each step
-      logs it, so every rejected step is found at its own step, with no
-      read from the device; a halt after `max_consecutive_skips`;
-    - the weights and optimizer variables, where reading them is paid for
-      anyway: when a snapshot is proven good, at the end of an epoch, and at
-      an incident.
-
-    It keeps a last-known-good snapshot of every model weight and optimizer
-    variable, taken only when all are finite: at the start of training,
-    then every `snapshot_every` steps (by default as often as fits in 1% of
-    the training time), and at the end of training; optionally written to
-    `directory`. On JAX and PyTorch a snapshot is a copy on the device
-    (when it has room for three), made at memory speed without waiting for
-    the steps in flight; its finiteness is checked there and read once,
-    when the snapshot is promoted. On TensorFlow it is a host copy. A new
-    snapshot becomes the rollback point only once a later batch was
-    healthy.
-
-    A model that `fit` itself builds (a subclassed model or a `Sequential`
-    without `Input`, on TensorFlow; JAX and PyTorch build it before training
-    begins) has no variables when training begins: the first snapshot is
-    then taken at the end of the first batch (the first execution, with
-    `steps_per_execution`). That first step cannot be rolled back: with a
-    plain optimizer, if it makes the state non-finite there is no good state
-    to go back to and NaNGuard raises `NonFiniteError` (with `"warn"`, it
-    warns); with a SafeOptimizer a bad first step is never applied. To
-    protect the first step too, build the model before `fit`
-    (`keras.Input`, or `model.build(input_shape)`).
-
-    What it does on *trouble*: non-finite weights or optimizer state, a
-    non-finite loss with a plain optimizer (the bad update has been applied),
-    `max_rejections` steps in a row rejected by a SafeOptimizer (the state
-    itself is drifting), or, with `loss_spike_sigma` set, a *loss spike*
-    (incident kind `"loss_spike"`): the batch loss stays more than
-    `loss_spike_sigma` standard deviations above its mean over the last
-    `loss_spike_window` healthy batches for `loss_spike_patience` steps in a
-    row. The batch loss is recovered from Keras's running means (Python
-    numbers, no device read); the detector arms once its window is full, and
-    starts its window afresh after a spike. No snapshot taken during a
-    streak becomes the rollback point, so a rollback restores the state from
-    before the spike began (the PaLM recipe; add `skip_batches` to move past
-    the data that came with it). The batches of the streak stay in the
-    epoch's figures; those after it, until the rollback, are left out. A single step rejected by a SafeOptimizer is recorded
-    but is not trouble: nothing was applied.
+    NaNGuard snapshots every weight and optimizer variable when all are
+    finite: at the start of training, every `snapshot_every` steps, at each
+    epoch's end and at the end (optionally to `directory`); on JAX and
+    PyTorch a copy on the device when it has room, else on the host. A
+    snapshot becomes the rollback point once a later batch was healthy.
+    *Trouble* is a non-finite state; a non-finite loss with a plain
+    optimizer (the update was applied); `max_rejections` steps in a row
+    rejected by a `SafeOptimizer` (NaNGuard attaches it to the model), or
+    its halt; and, with `loss_spike_sigma` set, a loss spike (kind
+    `"loss_spike"`; the rollback point then predates the spike). A single
+    rejected step is recorded but is not trouble: nothing was applied. On
+    trouble:
 
     - `"rollback"` (default): restore the snapshot, multiply the learning rate
       by `lr_factor`, discard the next `skip_batches` batches, and go on;
-      after `patience` rollbacks with no fresh good snapshot in between, stop
-      as with `"stop"`.
-    - `"stop"`: restore the snapshot and stop training; `fit` returns a
-      finite, usable model (a step already under way when NaNGuard stops
-      training is undone at the end of the epoch).
-    - `"raise"`: restore the snapshot and raise `keras_nanguard.NonFiniteError`
-      with the incident report.
+      after `patience` rollbacks with no fresh good snapshot in between, stop.
+    - `"stop"`: restore the snapshot and stop; `fit` returns a finite model.
+    - `"raise"`: restore the snapshot and raise `keras_nanguard.NonFiniteError`.
     - `"warn"`: only warn.
 
-    Reported figures: a batch whose loss is non-finite, and a discarded
-    batch, are left out of the epoch's loss and metrics, and so are, with a
-    plain optimizer, the batches between a bad batch and the rollback (they
-    ran on the bad state); a non-finite metric
-    with a finite loss (incident kind `"nonfinite_metric"`) is left out of
-    that metric only. (Keras's metric states are reset and NaNGuard combines
-    the parts, each batch weighted equally.) So the progress bar, `History`,
-    `CSVLogger` and callbacks after NaNGuard never see NaN because of a bad
-    batch. A figure with no healthy batch in the epoch is left out of that
-    epoch's logs, as Keras leaves out `val_loss` in an epoch it does not
-    validate: the progress bar does not show it, `History` has no entry for
-    that epoch (its list is shorter than `History.epoch`), `CSVLogger`
-    writes `NA` (if the first epoch of a `fit` is such an epoch, the file has
-    no column for that figure), and `EarlyStopping`, `ReduceLROnPlateau` and
-    `ModelCheckpoint` warn that the figure is not available and skip the
-    epoch. NaNGuard edits `logs` in place: list it *before*
-    `ModelCheckpoint`, `BackupAndRestore`, `EarlyStopping`, `CSVLogger` and
-    `TensorBoard` (on JAX and PyTorch, Keras's `ProgbarLogger` and `History`
-    run after it in the same thread). It adds `nanguard_incidents`,
-    `nanguard_rollbacks` (as of the last action: a batch's logs may show
-    them a few steps late) and, with a SafeOptimizer, `nanguard_rejected_steps`
-    and `nanguard_grad_norm` to the logs.
+    Each incident is kept in `guard.incidents` and told once, with its
+    action (see `verbose`). Bad batches are left out of the epoch's loss and
+    metrics (a non-finite metric with a finite loss, kind
+    `"nonfinite_metric"`, out of that metric only): NaNGuard edits `logs` in
+    place, so list it before `ModelCheckpoint`, `BackupAndRestore`,
+    `EarlyStopping`, `CSVLogger` and `TensorBoard`. It adds
+    `nanguard_incidents`, `nanguard_rollbacks` and, with a SafeOptimizer,
+    `nanguard_rejected_steps` and `nanguard_grad_norm` to the logs.
 
-    With `steps_per_execution=k` (not on PyTorch), Keras calls back once per
-    k steps, so detection, rollback and the exclusion of figures work on
-    whole executions of k steps. Steps are still counted one by one
-    (`incident.step`, `snapshot_every`): an incident in an execution is
-    placed at its first step and covers its k steps (`incident.steps`),
-    unless the `replay` data shows which batch held a NaN or inf.
+    On JAX and PyTorch NaNGuard is asynchronous (`async_safe`): its batch
+    ends only read the logs, in Keras's worker thread, and it acts on the
+    training thread at most two executions later; on TensorFlow at the
+    batch's end. With `steps_per_execution=k` (not on PyTorch) an incident
+    covers its execution's k steps (`incident.steps`), unless `replay` shows
+    the bad batch. A model that `fit` builds (no `keras.Input`, on
+    TensorFlow) is first snapshotted after its first step, which cannot be
+    rolled back. More in the README.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
             `"rollback"`.
         snapshot_every: steps between snapshots (int >= 1), or `"auto"`: as
-            often as keeps the snapshot cost under `snapshot_budget` of the
-            training time, and at least every 10 steps apart. Defaults to
-            `"auto"`.
-        snapshot_budget: fraction of training time snapshots may take, with
-            `"auto"`. Defaults to 0.01.
-        check_every: steps between reads of a SafeOptimizer's counters
-            (int >= 1), or `"auto"`: as often as keeps the reads under 1% of
-            the training time. Only for steps that do not log the total
-            (a custom `train_step`): `fit`'s own steps log it, and are
-            checked at every step without a read. Defaults to `"auto"`.
+            often as keeps their cost under `snapshot_budget` of the training
+            time, at least 10 steps apart. Defaults to `"auto"`.
+        snapshot_budget: float in (0, 1), with `"auto"`. Defaults to 0.01.
+        check_every: steps between reads of a SafeOptimizer's counters (int
+            >= 1) or `"auto"`, only for steps that do not log its total (a
+            custom `train_step`). Defaults to `"auto"`.
         lr_factor: float in (0, 1]: learning-rate multiplier at each rollback
             (1 keeps it). Defaults to 0.5.
         skip_batches: int >= 0: batches discarded after a rollback (their
@@ -165,31 +96,32 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             between before stopping. Defaults to 3.
         max_rejections: int >= 1: steps in a row rejected by a SafeOptimizer
             that count as trouble. Defaults to 3.
-        loss_spike_sigma: optional float > 0: how many standard deviations
-            above its rolling mean a batch loss is a spike; `None` turns
-            loss-spike detection off. Defaults to `None`.
-        loss_spike_window: int >= 2: healthy batches in the rolling mean
-            and standard deviation. Defaults to 100.
-        loss_spike_patience: int >= 1: steps in a row above the threshold
-            that make a loss spike. Defaults to 3.
-        directory: optional path; each snapshot that becomes the rollback
-            point is also written there, atomically, as
-            `nanguard_snapshot.npz`, with the learning rate to go on with
-            (NaNGuard's lowered one). When `fit` returns it holds the final
-            state if that is finite. Load it with `NaNGuard.restore`.
+        loss_spike_sigma: optional float > 0: a batch loss this many standard
+            deviations above its rolling mean is high; `None` turns loss-spike
+            detection off. Defaults to `None`.
+        loss_spike_window: int >= 2: healthy batches in the rolling mean and
+            standard deviation. Defaults to 100.
+        loss_spike_patience: int >= 1: steps in a row with a high loss that
+            make a spike. Defaults to 3.
+        directory: optional `str` or `os.PathLike`; the rollback point is
+            also written there, atomically, as `nanguard_snapshot.npz`, with
+            the learning rate to go on with; when `fit` returns it holds the
+            final state if that is finite. Load it with `NaNGuard.restore`.
             Defaults to `None`.
-        report_path: optional path of a JSON file with every incident,
-            rewritten atomically after each incident and at the end of
-            training. Defaults to `None`.
-        replay: optional `(x, y)` arrays or a `keras.utils.PyDataset` that
-            `fit` reads unshuffled; the batch of an incident is then kept in
-            `incident.batch_data` (and diagnosed, see `keras_nanguard.diagnose`).
-            With `steps_per_execution > 1`, the batch that holds a NaN or inf
-            if only one of the execution does, else all the execution's
-            batches, concatenated. Defaults to `None`.
-        batch_size: batch size used with array `replay` data. Defaults to 32.
-        verbose: 0 silent, 1 logs a line per incident (logger
-            `"keras_nanguard"`, level WARNING). Defaults to 1.
+        report_path: optional `str` or `os.PathLike` of a JSON file with
+            every incident, rewritten atomically after each incident and at
+            the end of training. Defaults to `None`.
+        replay: optional `(x, y)` arrays (or `x` alone) or a
+            `keras.utils.PyDataset` that `fit` reads unshuffled; an
+            incident's batch is then kept in `incident.batch_data` and
+            diagnosed (see `keras_nanguard.diagnose`). Defaults to `None`.
+        batch_size: int >= 1, the batch size of array `replay` data.
+            Defaults to 32.
+        verbose: 0 or 1: 1 tells each incident once its action is known, in
+            a log line (logger `"keras_nanguard"`, level WARNING) that starts
+            on a line of its own under `fit`'s progress bar. Whatever
+            `verbose`, `"warn"` tells its incidents as a `UserWarning`
+            instead, and `"raise"` in the `NonFiniteError`. Defaults to 1.
 
     Example:
 
@@ -228,38 +160,16 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         verbose: int = 1,
     ) -> None:
         super().__init__()
-        if policy not in POLICIES:
-            raise ValueError(
-                f"`policy` must be one of {POLICIES}. Received: policy={policy!r}"
-            )
-        for name, value in (
-            ("snapshot_every", snapshot_every),
-            ("check_every", check_every),
-        ):
-            if value != "auto" and not is_int(value, 1):
-                raise ValueError(
-                    f"`{name}` must be an int >= 1 or 'auto'. "
-                    f"Received: {name}={value!r}"
-                )
-        if not (is_number(snapshot_budget) and 0 < snapshot_budget < 1):
-            raise ValueError(
-                "`snapshot_budget` must be in (0, 1). "
-                f"Received: snapshot_budget={snapshot_budget!r}"
-            )
-        if not (is_number(lr_factor) and 0 < lr_factor <= 1):
-            raise ValueError(
-                f"`lr_factor` must be in (0, 1]. Received: lr_factor={lr_factor!r}"
-            )
-        for name, value, low in (
-            ("skip_batches", skip_batches, 0),
-            ("patience", patience, 0),
-            ("max_rejections", max_rejections, 1),
-            ("batch_size", batch_size, 1),
-        ):
-            if not is_int(value, low):
-                raise ValueError(
-                    f"`{name}` must be an int >= {low}. Received: {name}={value!r}"
-                )
+        self.policy = check_choice("policy", policy, POLICIES)
+        self.snapshot_every = check_int_or_auto("snapshot_every", snapshot_every, 1)
+        self.snapshot_budget = check_in(
+            "snapshot_budget", snapshot_budget, 0, 1, closed_high=False
+        )
+        self.check_every = check_int_or_auto("check_every", check_every, 1)
+        self.lr_factor = check_in("lr_factor", lr_factor, 0, 1, closed_high=True)
+        self.skip_batches = check_int("skip_batches", skip_batches, 0)
+        self.patience = check_int("patience", patience, 0)
+        self.max_rejections = check_int("max_rejections", max_rejections, 1)
         self.loss_spike_sigma = check_positive(
             "loss_spike_sigma", loss_spike_sigma, allow_none=True
         )
@@ -267,27 +177,17 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         self.loss_spike_patience = check_int(
             "loss_spike_patience", loss_spike_patience, 1
         )
-        self.policy = policy
-        self.snapshot_every = snapshot_every
-        self.snapshot_budget = float(snapshot_budget)
-        self.check_every = check_every
-        self.lr_factor = float(lr_factor)
-        self.skip_batches = skip_batches
-        self.patience = patience
-        self.max_rejections = max_rejections
-        self.directory = None if directory is None else os.fspath(directory)
-        self.report_path = None if report_path is None else os.fspath(report_path)
-        self.replay = replay
-        self.batch_size = batch_size
-        self.verbose = verbose
+        self.directory = check_path("directory", directory, allow_none=True)
+        self.report_path = check_path("report_path", report_path, allow_none=True)
+        self.replay = _replay.check(replay)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.verbose = check_choice("verbose", verbose, (0, 1))
         self.incidents: list[Incident] = []
         self.rollbacks = 0
-        # `snapshot` is the rollback point. A new snapshot is first pending
-        # (`_pendings`, oldest first):
-        # it becomes the rollback point only once the next batch is healthy,
-        # so an update that is finite but ruinous (a learning-rate spike) is
-        # not kept as "good" before its damage shows. `_spare` holds the
-        # previous buffers for reuse.
+        # `snapshot` is the rollback point. A new snapshot is pending
+        # (`_pendings`, oldest first) until a later batch is healthy, so a
+        # finite but ruinous update is not kept as "good" before its damage
+        # shows. `_spare` holds the previous buffers for reuse.
         self.snapshot: snapshots.Snapshot | None = None
         self._pendings: list[snapshots.Snapshot] = []
         self._spare: snapshots.Snapshot | None = None
@@ -322,7 +222,7 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         self._resumed_at = 0  # events of earlier steps ran on an undone state
         self._restored_at = -1  # `_now` when the snapshot was last restored
         self._discard_until: int | None = None
-        self._stopping = False
+        self._stopping = self._in_epoch = False
         # Keras's `Callback.model` syncs JAX state at each access (and so makes
         # the next step gather it again): NaNGuard reads it once per fit and
         # syncs only where it reads or changes the model.
@@ -350,27 +250,8 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         if self._net.built:  # else Keras builds it in the first step
             self._start()
 
-    def _start(self) -> None:
-        """Takes the first snapshot, once the model has its variables."""
-        self._started = True
-        optimizer = self._net.optimizer
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self._net.trainable_variables)
-        snap, bad = self._capture(verify=True)
-        if snap is not None:
-            self._keep(snap)
-            self._restored_at = self._now  # the state is the rollback point's
-        elif self._now == 0:
-            raise NonFiniteError(
-                "NaNGuard: the model is already non-finite before training starts "
-                f"({', '.join(bad[:5])}); there is no good state to protect. "
-                "Re-initialise or load good weights first."
-            )
-        # else: the first step of a model built by `fit` went bad; its event
-        # reports it and `_trouble` finds no snapshot.
-
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch = epoch
+        self._epoch, self._in_epoch = epoch, True
         with self._lock:
             self._watch.begin_epoch(epoch, self._watch.steps_done)
 
@@ -425,10 +306,11 @@ class NaNGuard(Responses, keras.callbacks.Callback):
                 snap.epoch = epoch + 1
                 self._pendings.append(snap)
                 self._snapshots.done(snap.seconds)
+        self._tell()
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._now = self._watch.steps_done
+        self._now, self._in_epoch = self._watch.steps_done, False  # bar ended
         self._act(snapshot=False)
         if self._stopping and self._restored_at != self._now:
             self._restore()
@@ -440,8 +322,14 @@ class NaNGuard(Responses, keras.callbacks.Callback):
 
     def _act(self, snapshot: bool = True) -> None:
         """The training thread's turn: acts on what the batch ends found,
-        promotes a proven snapshot, takes a due one. Touches the model only
-        when there is something to do."""
+        promotes a proven snapshot, takes a due one, then tells the new
+        incidents. Touches the model only when there is something to do."""
+        try:
+            self._take_turn(snapshot)
+        finally:
+            self._tell()
+
+    def _take_turn(self, snapshot: bool) -> None:
         with self._lock:
             events, self._watch.events = self._watch.events, []
             healthy = self._watch.healthy_step
@@ -469,70 +357,16 @@ class NaNGuard(Responses, keras.callbacks.Callback):
             if clean:
                 self._maybe_snapshot(steps, step_seconds)
 
-    def _keep_final_state(self) -> None:
-        """Makes the state `fit` returns the rollback point (and writes it to
-        `directory`) if it is finite: nothing comes after it to prove it."""
-        if self._pendings and self._pendings[-1].step == self._now:
-            self._keep(self._pendings[-1])  # taken (and read) at the epoch end
-            return
-        snap, _ = self._capture(verify=True)
-        if snap is not None:
-            snap.epoch = self._epoch + 1
-            self._keep(snap)
-
-    def _publish(self, logs: dict) -> None:
-        logs["nanguard_incidents"] = len(self.incidents)
-        logs["nanguard_rollbacks"] = self.rollbacks
-        if self._safe is not None:  # an attached step logs its own, exactly
-            logs.setdefault(REJECTED, self._watch.rejected)
-
-    def report(self) -> dict[str, Any]:
-        """Everything NaNGuard saw, as a JSON-ready dict.
-
-        Example:
-
-        >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().report()["incidents"]
-        []
-        """
-        return {
-            "policy": self.policy,
-            "rollbacks": self.rollbacks,
-            "incidents": [i.to_dict() for i in self.incidents],
-        }
-
-    def summary(self) -> str:
-        """The incidents in words, one per line.
-
-        Example:
-
-        >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().summary()
-        'NaNGuard: no incidents.'
-        """
-        if not self.incidents:
-            return "NaNGuard: no incidents."
-        lines = [
-            f"NaNGuard: {len(self.incidents)} incidents, {self.rollbacks} rollbacks."
-        ]
-        lines += [f"  {i}" for i in self.incidents]
-        return "\n".join(lines)
-
-    def _write_report(self) -> None:
-        if self.report_path is not None:
-            write_json(self.report_path, self.report())
-
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
         """Loads the snapshot NaNGuard wrote into `directory` into `model`.
 
         `model` must be built, with the same architecture. Compiled with the
         same optimizer, it gets the weights, the optimizer's variables and the
-        learning rate to go on with (the one NaNGuard lowered, if it did): it
-        resumes training where the snapshot was taken. Not compiled (for
-        inference), it gets the weights only. Raises `ValueError`, and changes
-        nothing, when the shapes do not match. Returns the step at which the
-        snapshot was taken.
+        learning rate to go on with: it resumes training where the snapshot
+        was taken; not compiled, the weights only. Raises `ValueError`, and
+        changes nothing, when the shapes do not match. Returns the snapshot's
+        step.
 
         Example:
 
@@ -543,23 +377,9 @@ class NaNGuard(Responses, keras.callbacks.Callback):
         return snapshots.load_into(model, directory).step
 
     def get_config(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy,
-            "snapshot_every": self.snapshot_every,
-            "snapshot_budget": self.snapshot_budget,
-            "check_every": self.check_every,
-            "lr_factor": self.lr_factor,
-            "skip_batches": self.skip_batches,
-            "patience": self.patience,
-            "max_rejections": self.max_rejections,
-            "loss_spike_sigma": self.loss_spike_sigma,
-            "loss_spike_window": self.loss_spike_window,
-            "loss_spike_patience": self.loss_spike_patience,
-            "directory": self.directory,
-            "report_path": self.report_path,
-            "batch_size": self.batch_size,
-            "verbose": self.verbose,
-        }
+        # Every constructor argument but `replay` (data, not configuration).
+        names = inspect.signature(NaNGuard.__init__).parameters
+        return {n: getattr(self, n) for n in names if n not in ("self", "replay")}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> NaNGuard:

@@ -55,22 +55,104 @@ def _fit(model, data, callbacks, epochs=1, **kwargs):
     ("kwargs", "match"),
     [
         ({"policy": "retry"}, r"`policy` must be one of .*Received: policy='retry'"),
-        ({"patience": -1}, r"`patience` must be an int >= 0. Received: patience=-1"),
+        (
+            {"patience": -1},
+            r"`patience` must be an integer >= 0. Received: patience=-1",
+        ),
         (
             {"lr_factor": 0.0},
             r"`lr_factor` must be in \(0, 1\]. Received: lr_factor=0.0",
         ),
         ({"lr_factor": 1.5}, r"lr_factor=1.5"),
         ({"skip_batches": -2}, r"skip_batches=-2"),
-        ({"snapshot_every": 0}, r"`snapshot_every` must be an int >= 1 or 'auto'"),
+        ({"snapshot_every": 0}, r"`snapshot_every` must be an integer >= 1 or 'auto'"),
         ({"check_every": "often"}, r"check_every='often'"),
         ({"max_rejections": 0}, r"max_rejections=0"),
         ({"snapshot_budget": 1.0}, r"snapshot_budget=1.0"),
+        ({"snapshot_budget": float("nan")}, r"must be in \(0, 1\). .*=nan"),
+        ({"verbose": 2}, r"`verbose` must be one of \(0, 1\). Received: verbose=2"),
+        ({"directory": ""}, r"`directory` must not be empty. Received: directory=''"),
+        ({"replay": (np.ones((4, 2)),)}, r"`replay` must be `\(x, y\)` arrays"),
+        (
+            {"replay": (np.ones((4, 2)), np.ones((3, 1)))},
+            r"the same length. Received: len\(x\)=4, len\(y\)=3",
+        ),
     ],
 )
 def test_bad_arguments_get_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ng.NaNGuard(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"directory": 123},
+            r"`directory` must be a str or an os.PathLike or None. "
+            r"Received: directory=123$",
+        ),
+        ({"report_path": b"r.json"}, r"`report_path` must be a str .*=b'r.json'"),
+        ({"verbose": "yes"}, r"`verbose` must be one of \(0, 1\). .*verbose='yes'"),
+        ({"verbose": True}, r"Received: verbose=True"),
+        ({"policy": None}, r"`policy` must be one of .*Received: policy=None"),
+        ({"snapshot_every": 2.5}, r"`snapshot_every` must be an integer >= 1 or"),
+        ({"check_every": True}, r"Received: check_every=True"),
+        ({"snapshot_budget": "0.1"}, r"`snapshot_budget` must be a number in \(0"),
+        ({"lr_factor": np.bool_(True)}, r"`lr_factor` must be a number in \(0, 1\]"),
+        ({"skip_batches": 1.0}, r"`skip_batches` must be an integer >= 0"),
+        ({"patience": None}, r"Received: patience=None"),
+        ({"max_rejections": "3"}, r"Received: max_rejections='3'"),
+        ({"loss_spike_sigma": True}, r"`loss_spike_sigma` must be a positive number"),
+        ({"loss_spike_window": 10.0}, r"Received: loss_spike_window=10.0"),
+        ({"batch_size": np.float32(16)}, r"`batch_size` must be an integer >= 1"),
+        ({"replay": 5}, r"`replay` must be .*Received: replay=5"),
+    ],
+)
+def test_arguments_of_the_wrong_type_get_type_errors(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        ng.NaNGuard(**kwargs)
+
+
+def test_numpy_scalars_and_paths_are_accepted_as_plain_values(tmp_path):
+    guard = ng.NaNGuard(
+        np.str_("stop"),
+        snapshot_every=np.int64(5),
+        snapshot_budget=np.float32(0.25),
+        check_every=np.int32(2),
+        lr_factor=np.float64(0.5),
+        skip_batches=np.int8(1),
+        patience=np.uint8(2),
+        max_rejections=np.int16(4),
+        loss_spike_sigma=np.float32(6),
+        loss_spike_window=np.int64(10),
+        loss_spike_patience=np.int64(2),
+        directory=tmp_path / "snaps",
+        report_path=tmp_path / "r.json",
+        batch_size=np.int64(8),
+        verbose=np.int64(0),
+    )
+    config = guard.get_config()
+    assert config == {
+        "policy": "stop",
+        "snapshot_every": 5,
+        "snapshot_budget": 0.25,
+        "check_every": 2,
+        "lr_factor": 0.5,
+        "skip_batches": 1,
+        "patience": 2,
+        "max_rejections": 4,
+        "loss_spike_sigma": 6.0,
+        "loss_spike_window": 10,
+        "loss_spike_patience": 2,
+        "directory": str(tmp_path / "snaps"),
+        "report_path": str(tmp_path / "r.json"),
+        "batch_size": 8,
+        "verbose": 0,
+    }
+    # Plain Python values: the config is JSON, as `.keras` files store it.
+    assert json.loads(json.dumps(config)) == config
+    assert {type(v) for v in config.values()} == {str, int, float}
 
 
 def test_unwritable_directory_fails_at_train_begin(tmp_path):

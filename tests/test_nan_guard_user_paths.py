@@ -1,9 +1,13 @@
 """NaNGuard on the paths users take (issue 11): models built by `fit`,
 `steps_per_execution`, the snapshot on disk after `fit`, figures that never
-show NaN because NaNGuard left batches out."""
+show NaN because NaNGuard left batches out, and how incidents are told."""
 
+import contextlib
 import csv
+import io
+import logging
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -363,3 +367,83 @@ def test_nonfinite_metric_has_its_own_kind_and_keeps_the_finite_loss():
     got = history.history["_spiky_mae"][1]
     expected = np.mean([v for i, v in enumerate(per_batch) if i != 3])
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+# --------------------------- messages: once per incident, on their own line
+def _nan_target_run(guard, verbose, n=64):
+    """A plain optimizer, a NaN target in batch 2 of n/16: the update is
+    applied, so the state goes non-finite. Returns everything written to
+    stdout, where the progress bar goes, with the warnings and the log lines
+    of "keras_nanguard" interleaved in the order they were written."""
+    x, y = _data(n)
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
+    model = _model(keras.optimizers.SGD(0.05))
+    out, shown = io.StringIO(), []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        shown.append((category, str(message), filename))
+        out.write(f"{message}\n")
+
+    handler = logging.StreamHandler(out)
+    logger = logging.getLogger("keras_nanguard")
+    logger.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # others' deprecations
+            warnings.filterwarnings("always", message="NaNGuard")
+            warnings.showwarning = show
+            model.fit(data, verbose=verbose, shuffle=False, callbacks=[guard])
+    finally:
+        logger.removeHandler(handler)
+    return out.getvalue(), shown
+
+
+@pytest.mark.parametrize("fit_verbose", [1, 0])
+def test_incident_line_starts_a_line_of_its_own_under_the_progress_bar(
+    fit_verbose,
+):
+    guard = ng.NaNGuard(verbose=1)
+    text, shown = _nan_target_run(guard, fit_verbose)
+    (inc,) = guard.incidents
+    assert inc.action.startswith("rolled back: restored the snapshot")
+    assert shown == []
+    line = f"NaNGuard: {inc}\n"  # told once, with its action
+    assert text.count("NaNGuard: ") == 1 and line in text
+    at = text.index(line)
+    if fit_verbose:
+        # The bar had drawn its first line (no newline: Keras rewrites it
+        # with `\r`); the incident begins a line of its own all the same.
+        assert "1/4" in text[:at]
+        assert text[at - 1] == "\n"
+    else:  # no bar: nothing else written, no stray newline
+        assert text == line
+
+
+def test_warn_policy_warns_once_per_incident_at_the_fit_call(caplog):
+    guard = ng.NaNGuard("warn", verbose=1)
+    with caplog.at_level(logging.WARNING, logger="keras_nanguard"):
+        text, shown = _nan_target_run(guard, verbose=1)
+    # The NaN batch, then the NaN weights found at the end of the epoch.
+    assert [i.kind for i in guard.incidents] == ["nonfinite_loss", "nonfinite_weights"]
+    told = [f"NaNGuard: {i}" for i in guard.incidents]
+    # Exactly one message per incident: its warning, and no log line besides.
+    assert [message for _, message, _ in shown] == told
+    assert [r for r in caplog.records if r.name == "keras_nanguard"] == []
+    assert all(text.count(t) == 1 for t in told)
+    # The warnings point at the code that called `fit` (this file), not
+    # inside keras_nanguard or Keras.
+    assert {(category, filename) for category, _, filename in shown} == {
+        (UserWarning, __file__)
+    }
+    assert all(text[text.index(t) - 1] == "\n" for t in told)
+
+
+def test_raise_policy_tells_the_incident_in_the_error_only(caplog):
+    guard = ng.NaNGuard("raise", verbose=1)
+    at_warning = caplog.at_level(logging.WARNING, logger="keras_nanguard")
+    with at_warning, pytest.raises(ng.NonFiniteError) as err:
+        _nan_target_run(guard, verbose=0)
+    (inc,) = guard.incidents
+    assert str(err.value) == f"NaNGuard: {inc}"
+    assert inc.action.endswith(", raised NonFiniteError")
+    assert [r for r in caplog.records if r.name == "keras_nanguard"] == []
