@@ -213,13 +213,15 @@ class ModelStateMixin:
     def _guard(self, model: keras.Model, state: list[Any]) -> Iterator[None]:
         self._check_is_optimizer_of(model)
         before = read(state)
-        steps = self._plans.steps
+        # A flag set, not a count read: a compiled torch step would recompile
+        # whenever a Python int it reads changes.
+        self._plans.applied = False
         try:
             yield
         except BaseException:
             step_ops.restore_unless(False, state, before)
             raise
-        if self._plans.steps == steps:
+        if not self._plans.applied:
             raise RuntimeError(
                 "No step of this SafeOptimizer ran inside `transaction(model)`: "
                 "call `apply`/`apply_gradients` inside the `with` block."

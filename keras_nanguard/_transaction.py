@@ -27,8 +27,8 @@ class _Plan(NamedTuple):
     checked: list[int]  # positions of the gradients that are checked
     state: list[keras.Variable]  # weights, then every inner optimizer variable
     floats: list[int]  # positions in `state` of the float variables
-    grad_index: Any  # int32 tensor: checked gradient -> reported index
-    state_index: Any  # int32 tensor: checked float state -> reported index
+    grad_index: tuple[int, ...]  # checked gradient -> reported index
+    state_index: tuple[int, ...]  # checked float state -> reported index
 
 
 class TransactionMixin:
@@ -101,8 +101,8 @@ class TransactionMixin:
                 checked,
                 state,
                 floats,
-                np.array([reported[i] for i in checked], "int32"),
-                np.array([reported[j] for j in floats], "int32"),
+                tuple(reported[i] for i in checked),
+                tuple(reported[j] for j in floats),
             )
         return plan
 
@@ -171,8 +171,14 @@ class TransactionMixin:
         step_ops.restore_unless(ok, plan.state, backup)
         bad_index = ops.where(
             grads_ok,
-            ops.take(plan.state_index, step_ops.first_false(new_finite)),
-            ops.take(plan.grad_index, step_ops.first_false(grad_finite)),
+            ops.take(
+                self._plans.index(plan.state_index, plan.state[0]),
+                step_ops.first_false(new_finite),
+            ),
+            ops.take(
+                self._plans.index(plan.grad_index, plan.state[0]),
+                step_ops.first_false(grad_finite),
+            ),
         )
         self._count(
             ok=ok,
@@ -261,11 +267,30 @@ class _Plans:
     def __init__(self) -> None:
         self.cache: dict[tuple, _Plan] = {}
         self.buffers: dict[tuple, tuple[list, list]] = {}
-        self.steps = 0  # calls of `apply`, so `transaction` can tell one ran
+        self.indices: dict[tuple, Any] = {}
+        self.applied = False  # set by `apply`, so `transaction` can tell one ran
         self.in_fit = False  # inside an attached `fit` step
 
+    def index(self, values: tuple[int, ...], like: keras.Variable) -> Any:
+        """Reported indices as a table the step gathers from. On torch a
+        tensor on `like`'s device, made once in eager steps (no host copy
+        per step) and a constant of the graph in compiled ones (a NumPy
+        array there would break the graph); elsewhere a NumPy constant."""
+        if keras.backend.backend() != "torch":
+            return np.array(values, "int32")
+        import torch
+
+        def make() -> Any:
+            return torch.tensor(values, dtype=torch.int32, device=like.value.device)
+
+        if torch.compiler.is_compiling():
+            return make()
+        if values not in self.indices:
+            self.indices[values] = make()
+        return self.indices[values]
+
     def rollback_buffers(self, state: list[keras.Variable]) -> list | None:
-        """torch, eager: host-side buffers the rollback snapshot is copied
+        """torch, eager: buffers the rollback snapshot is copied
         into, made once and reused every step; otherwise `None`."""
         if keras.backend.backend() != "torch":
             return None

@@ -202,6 +202,9 @@ class SafeOptimizer(
             {id(v): i for i, v in enumerate(var_list)},
         )
         self.built = True
+        # The usual call's plan (every gradient present), made here in eager
+        # code: a compiled torch step that made it would compile twice.
+        self._plan(var_list, var_list)
 
     @property
     def variables(self) -> list[keras.Variable]:
@@ -326,7 +329,7 @@ class SafeOptimizer(
                 f"Received: len(grads)={len(grads)}, "
                 f"len(trainable_variables)={len(trainable_variables)}"
             )
-        self._plans.steps += 1
+        self._plans.applied = True
         if keras.backend.backend() == "tensorflow":
             self._tf_apply(grads, trainable_variables)
         else:

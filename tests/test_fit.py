@@ -229,3 +229,37 @@ def test_custom_loop_eager_and_compiled():
     assert opt.counters()["skipped_steps"] == 1
     assert int(opt.iterations) == 3
     assert float(ops.convert_to_numpy(opt.last_grad_norm)) > 0
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile (jit_compile=True)")
+@pytest.mark.parametrize("guarded", [False, True])
+def test_torch_compiled_fit_compiles_as_often_as_plain_keras(guarded):
+    # A Python int the step reads and changes, or a NumPy constant, made
+    # dynamo recompile every step until its limit, then run eagerly.
+    from torch._dynamo.utils import counters
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32")
+    y = x.sum(1, keepdims=True)
+
+    def graphs(optimizer, callbacks=()):
+        import torch
+
+        torch._dynamo.reset()
+        counters.clear()
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=list(callbacks))
+        return counters["stats"]["unique_graphs"]
+
+    plain = graphs(keras.optimizers.RMSprop(1e-3, global_clipnorm=1.0))
+    opt = ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=1.0)
+    if guarded:  # NaNGuard attaches it: a wrapped train_step, compiled too
+        safe = graphs(opt, [ng.NaNGuard(verbose=0)])
+        assert safe == plain + 2
+    else:
+        safe = graphs(opt)
+        assert safe == plain
+    assert int(opt.iterations) == 32
