@@ -310,7 +310,9 @@ class ModelStateMixin:
 
 
 def _frozen(value: Any) -> Any:
-    """A torch tensor's copy (a scalar's, for logs), anything else as is."""
+    """A copy of a live torch variable (a Keras variable's value, which is
+    also what a `Sum` metric's `result()` returns); anything else as is."""
     import torch
 
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    live = isinstance(value, torch.nn.Parameter)
+    return value.detach().clone() if live else value
