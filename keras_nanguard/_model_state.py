@@ -36,17 +36,18 @@ def _torch_buffers(model: keras.Model) -> list[Any]:
     # Every Keras layer is a torch module on this backend, but Sequential and
     # functional models keep their layers in plain lists that torch does not
     # see: walk both the Keras layers and the torch submodules.
+    # Each module is visited once.
     found: dict[int, Any] = {}
     stack, seen = [model], set()
     while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
+        module = stack.pop()
+        if id(module) in seen:
             continue
-        seen.add(id(layer))
-        for module in layer.modules():
-            for buffer in module.buffers(recurse=False):
-                found.setdefault(id(buffer), buffer)
-        stack.extend(getattr(layer, "layers", None) or [])
+        seen.add(id(module))
+        for buffer in module.buffers(recurse=False):
+            found.setdefault(id(buffer), buffer)
+        stack.extend(module.children())
+        stack.extend(getattr(module, "layers", None) or [])
     return list(found.values())
 
 
