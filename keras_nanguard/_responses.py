@@ -203,14 +203,15 @@ class Responses:
     ) -> None:
         """Starts Keras's running means afresh before `step`; the batch-end
         side leaves the batches before `leave_out_until` out of the figures
-        (and, if the snapshot was `restored`, counts rejections in a row
-        afresh from `step`: the restore resets the streak)."""
+        (by default those a restore undid; see `BatchWatch.metrics_reset`)
+        and, if the snapshot was `restored`, counts rejections in a row
+        afresh from `step`: the restore resets the streak."""
+        if restored and leave_out_until is None:
+            leave_out_until = step
         snapshots.sync_from_device(self._net)
         self._net.reset_metrics()
         with self._lock:
-            self._watch.metrics_reset(
-                step, step if leave_out_until is None else leave_out_until, restored
-            )
+            self._watch.metrics_reset(step, leave_out_until, restored)
 
     def _lower_learning_rate(self) -> tuple[float, float] | None:
         lr = self._net.optimizer.learning_rate

@@ -171,14 +171,20 @@ class BatchWatch:
         self._last_time = now
 
     def metrics_reset(
-        self, step: int, leave_out_until: float, restored: bool = False
+        self, step: int, leave_out_until: float | None, restored: bool = False
     ) -> None:
         """Keras's metric states were reset before `step`; batches before
-        `leave_out_until` are left out of the figures; `restored`: the
-        snapshot was restored there, which resets a SafeOptimizer's streak
-        of rejected steps."""
+        `leave_out_until` are left out of the figures (`None`, a reset that
+        undoes nothing: only a hold, `math.inf`, ends at `step`; the batches
+        before `step` still to be read are read as they would have been in
+        line, before the reset);
+        `restored`: the snapshot was restored there, which resets a
+        SafeOptimizer's streak of rejected steps."""
         self.reset_at = step
-        self.leave_out_until = leave_out_until
+        if leave_out_until is not None:
+            self.leave_out_until = leave_out_until
+        elif self.leave_out_until == math.inf:
+            self.leave_out_until = step
         if restored:
             self.run_reset_at = step
             if self.spikes is not None:  # a streak on the undone state ends
