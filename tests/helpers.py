@@ -8,6 +8,16 @@ from keras import ops
 
 from tests.conftest import BACKEND  # noqa: F401  (re-exported for tests)
 
+# The NaNGuard tests' task: two features decide a binary label.
+BINARY_LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
+
+
+def binary_data(n: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 6)).astype("float32")
+    y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
+    return x, y
+
 
 def numpy(values) -> list[np.ndarray]:
     """Copies of a list of variables/tensors as NumPy arrays."""

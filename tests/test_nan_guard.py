@@ -15,20 +15,13 @@ import keras_nanguard as ng
 from keras_nanguard import nan_guard, snapshots
 from tests.helpers import (
     BACKEND,
+    BINARY_LOSS,
     WithoutBatches,
     all_finite,
     assert_bit_identical,
+    binary_data,
     numpy,
 )
-
-LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
-
-
-def _data(n=128, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 6)).astype("float32")
-    y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
-    return x, y
 
 
 def _model(optimizer=None, seed=1):
@@ -40,7 +33,7 @@ def _model(optimizer=None, seed=1):
             keras.layers.Dense(1),
         ]
     )
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss=LOSS)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss=BINARY_LOSS)
     return model
 
 
@@ -159,7 +152,7 @@ def test_unwritable_directory_fails_at_train_begin(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     guard = ng.NaNGuard(directory=blocker / "snapshots")
-    x, y = _data(32)
+    x, y = binary_data(32)
     with pytest.raises(ValueError, match="`directory` must be a writable directory"):
         _model().fit(x, y, verbose=0, callbacks=[guard])
 
@@ -167,7 +160,7 @@ def test_unwritable_directory_fails_at_train_begin(tmp_path):
 def test_model_already_nan_is_refused():
     model = _model()
     model.layers[0].kernel.assign(np.full((6, 8), np.nan, "float32"))
-    x, y = _data(32)
+    x, y = binary_data(32)
     with pytest.raises(ng.NonFiniteError, match="already non-finite"):
         model.fit(x, y, verbose=0, callbacks=[ng.NaNGuard()])
 
@@ -181,7 +174,7 @@ def test_config_round_trip():
 
 # --------------------------------------------------- with a SafeOptimizer
 def test_rejected_step_is_one_incident_and_left_out_of_the_figures():
-    x, y = _data()
+    x, y = binary_data()
     # A NaN label: the batch's loss is NaN on every backend.
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
@@ -209,7 +202,7 @@ def test_rejected_step_is_one_incident_and_left_out_of_the_figures():
 def test_rejection_with_finite_loss_is_found_at_its_own_step():
     # The attached step logs SafeOptimizer's total of rejected steps: exact
     # at every step, with no read of the counters (`check_every` unused).
-    x, y = _data()
+    x, y = binary_data()
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     spike = ng.faults.LearningRateSpike(at_steps=[2], factor=float("inf"))
     guard = ng.NaNGuard(verbose=0, check_every=3)
@@ -223,7 +216,7 @@ def test_rejection_with_finite_loss_is_found_at_its_own_step():
 
 
 def test_repeated_rejections_are_trouble_and_roll_back():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2, 3, 4, 5])
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard(verbose=0, max_rejections=3, check_every=1)
@@ -240,7 +233,7 @@ def test_repeated_rejections_are_trouble_and_roll_back():
 
 
 def test_halted_optimizer_is_trouble():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[1, 2, 3])
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05), max_consecutive_skips=2)
     guard = ng.NaNGuard("stop", verbose=0, check_every=1)
@@ -267,7 +260,7 @@ class _Probe(keras.callbacks.Callback):
 
 
 def test_plain_optimizer_nan_is_rolled_back_at_a_batch_begin_soon_after():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     probe = _Probe()
     guard = ng.NaNGuard(verbose=0)
@@ -294,7 +287,7 @@ def test_nan_weights_with_a_finite_loss_are_caught_at_the_next_check():
     # A NaN *input*: on TensorFlow's CPU kernels the fused MatMul+BiasAdd+ReLU
     # maps it to 0, so the loss stays finite while the kernel goes NaN; the
     # next weight check (a snapshot, here every 2 steps) catches it.
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3])
     guard = ng.NaNGuard(verbose=0, snapshot_every=2)
     model = _model(keras.optimizers.SGD(0.05))
@@ -307,7 +300,7 @@ def test_nan_weights_with_a_finite_loss_are_caught_at_the_next_check():
 
 
 def test_diverging_learning_rate_rolls_back_lowers_lr_and_finishes_finite():
-    x, y = _data(256)
+    x, y = binary_data(256)
 
     class BadSchedule(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -325,7 +318,7 @@ def test_diverging_learning_rate_rolls_back_lowers_lr_and_finishes_finite():
 
 
 def test_patience_exhausted_stops_with_good_weights():
-    x, y = _data(512)
+    x, y = binary_data(512)
     # Every batch from the fifth on is poisoned: rollbacks cannot recover.
     # (32 batches: a batch already in flight at a rollback does not count,
     # so with asynchronous batch ends the three troubles take more batches.)
@@ -345,7 +338,7 @@ def test_patience_exhausted_stops_with_good_weights():
 
 
 def test_stop_policy_restores_the_last_snapshot_bit_identical():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[5], target="y")
     guard = ng.NaNGuard("stop", snapshot_every=2, verbose=0)
     model = _model(keras.optimizers.Adam(0.01))
@@ -373,7 +366,7 @@ def test_stop_policy_restores_the_last_snapshot_bit_identical():
 
 
 def test_raise_policy_restores_then_raises_with_the_report():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
     guard = ng.NaNGuard("raise", verbose=0)
     model = _model(keras.optimizers.SGD(0.05))
@@ -386,7 +379,7 @@ def test_raise_policy_restores_then_raises_with_the_report():
 
 
 def test_warn_policy_only_warns():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
     model = _model(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard("warn", verbose=0)
@@ -400,7 +393,7 @@ def test_warn_policy_only_warns():
 
 
 def test_skip_batches_discards_the_next_updates():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     guard = ng.NaNGuard(verbose=0, skip_batches=2, lr_factor=1.0, snapshot_every=100)
 
@@ -421,7 +414,7 @@ def test_skip_batches_discards_the_next_updates():
 
 
 def test_one_instance_serves_several_fits():
-    x, y = _data()
+    x, y = binary_data()
     guard = ng.NaNGuard(verbose=0, check_every=1)
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
     for _ in range(2):
@@ -437,10 +430,10 @@ def test_one_instance_serves_several_fits():
     BACKEND == "torch", reason="Keras needs steps_per_execution=1 on torch"
 )
 def test_steps_per_execution_groups_are_left_out_whole():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3])
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
-    model.compile(optimizer=model.optimizer, loss=LOSS, steps_per_execution=2)
+    model.compile(optimizer=model.optimizer, loss=BINARY_LOSS, steps_per_execution=2)
     guard = ng.NaNGuard(verbose=0)
     history = _fit(model, data, [guard])
     assert len(guard.incidents) == 1
@@ -448,7 +441,7 @@ def test_steps_per_execution_groups_are_left_out_whole():
 
 
 def test_replay_keeps_the_incident_batch():
-    x, y = _data()
+    x, y = binary_data()
     x_bad = ng.faults.poison(x, rows=[40])  # batch 2 (rows 32..47)
     guard = ng.NaNGuard(verbose=0, replay=(x_bad, y), batch_size=16, check_every=1)
     _fit(
@@ -470,7 +463,7 @@ def test_replay_keeps_the_incident_batch():
 
 # ------------------------------------------------------- snapshots on disk
 def test_snapshots_on_disk_restore_into_a_fresh_model(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     guard = ng.NaNGuard(verbose=0, directory=tmp_path, snapshot_every=3)
     model = _model(keras.optimizers.Adam(0.01))
     _fit(model, x, [guard], y=y, batch_size=16, epochs=2)
@@ -531,7 +524,7 @@ def test_crash_during_a_snapshot_write_leaves_the_previous_one_loadable(tmp_path
 
 
 def test_report_file_is_json(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     path = tmp_path / "report.json"
     guard = ng.NaNGuard(verbose=0, report_path=path)
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
@@ -545,7 +538,7 @@ def test_report_file_is_json(tmp_path):
 
 # -------------------------------------------------- with other callbacks
 def test_csv_logger_sees_finite_figures_and_guard_columns(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
     path = tmp_path / "log.csv"
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
@@ -556,7 +549,7 @@ def test_csv_logger_sees_finite_figures_and_guard_columns(tmp_path):
 
 
 def test_model_checkpoint_never_saves_nan_weights(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(
         x, y, batch_size=16, bad_batches=[7], target="y"
     )  # last batch
@@ -578,7 +571,7 @@ def _backup_weights(backup_dir):
 
 
 def test_backup_and_restore_keeps_a_good_backup(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
 
     # Epoch 2 goes bad at its last batch: the epoch-end backup must not be NaN,
     # and a stop/raise must not delete the backup.
@@ -617,7 +610,7 @@ def test_backup_and_restore_keeps_a_good_backup(tmp_path):
 
 
 def test_early_stopping_and_reduce_lr_on_plateau_see_finite_figures():
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[1], target="y")
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     model = _model(opt)

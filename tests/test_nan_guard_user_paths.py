@@ -19,20 +19,13 @@ import keras_nanguard as ng
 from keras_nanguard import snapshots
 from tests.helpers import (
     BACKEND,
+    BINARY_LOSS,
     WithoutBatches,
     all_finite,
     assert_bit_identical,
+    binary_data,
     numpy,
 )
-
-LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
-
-
-def _data(n=128, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 6)).astype("float32")
-    y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
-    return x, y
 
 
 def _layers():
@@ -59,7 +52,7 @@ def _model(optimizer, kind="input", seed=1, compile=True, **compile_kwargs):
     else:
         model = SubclassedNet()
     if compile:
-        model.compile(optimizer=optimizer, loss=LOSS, **compile_kwargs)
+        model.compile(optimizer=optimizer, loss=BINARY_LOSS, **compile_kwargs)
     return model
 
 
@@ -91,7 +84,7 @@ UNBUILT = ["sequential", "subclassed"]
 
 @pytest.mark.parametrize("kind", UNBUILT)
 def test_model_built_by_fit_trains_as_without_nan_guard(kind):
-    x, y = _data()
+    x, y = binary_data()
     plain = _model(keras.optimizers.Adam(0.01), kind)
     _fit(plain, x, [], y=y, batch_size=16)
     model = _model(keras.optimizers.Adam(0.01), kind)
@@ -106,7 +99,7 @@ def test_model_built_by_fit_trains_as_without_nan_guard(kind):
 
 @pytest.mark.parametrize("kind", UNBUILT)
 def test_model_built_by_fit_is_rolled_back_to_its_first_snapshot(kind):
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     model = _model(keras.optimizers.SGD(0.05), kind)
     guard, weights = ng.NaNGuard(verbose=0), _Weights()
@@ -126,7 +119,7 @@ def test_model_built_by_fit_is_rolled_back_to_its_first_snapshot(kind):
 
 @pytest.mark.parametrize("kind", UNBUILT)
 def test_model_built_by_fit_bad_first_step_with_safe_optimizer(kind):
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
     model = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
     guard = ng.NaNGuard(verbose=0)
@@ -141,7 +134,7 @@ def test_model_built_by_fit_bad_first_step_with_safe_optimizer(kind):
 
 @pytest.mark.parametrize("kind", UNBUILT)
 def test_model_built_by_fit_bad_first_step_with_plain_optimizer(kind):
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
     model = _model(keras.optimizers.SGD(0.05), kind)
     guard, weights = ng.NaNGuard(verbose=0), _Weights()
@@ -180,7 +173,7 @@ spe = pytest.mark.skipif(
 
 @spe
 def test_steps_per_execution_replay_keeps_the_bad_batch_and_counts_steps():
-    x, y = _data(112)  # 7 batches of 16: groups (0, 1) (2, 3) (4, 5) (6)
+    x, y = binary_data(112)  # 7 batches of 16: groups (0, 1) (2, 3) (4, 5) (6)
     y_bad = ng.faults.poison(y, rows=[40])  # batch 2, first of its group
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)), steps_per_execution=2)
     guard = ng.NaNGuard(verbose=0, replay=(x, y_bad), batch_size=16, check_every=1)
@@ -198,7 +191,7 @@ def test_steps_per_execution_replay_keeps_the_bad_batch_and_counts_steps():
 
 @spe
 def test_steps_per_execution_unknown_bad_step_keeps_the_whole_group():
-    x, y = _data()
+    x, y = binary_data()
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)), steps_per_execution=2)
     guard = ng.NaNGuard(verbose=0, replay=(x, y), batch_size=16, check_every=1)
     _fit(model, x, [_InfiniteLearningRate(4), guard], y=y, batch_size=16)
@@ -212,7 +205,7 @@ def test_steps_per_execution_unknown_bad_step_keeps_the_whole_group():
 
 # -------------------------------------------- finding 10: snapshot on disk
 def test_disk_snapshot_is_the_final_state_when_fit_returns(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     model = _model(keras.optimizers.Adam(0.01))
     guard = ng.NaNGuard(verbose=0, directory=tmp_path)
     _fit(model, x, [guard], y=y, batch_size=16)  # 8 clean steps
@@ -225,7 +218,7 @@ def test_disk_snapshot_is_the_final_state_when_fit_returns(tmp_path):
 
 
 def test_disk_snapshot_carries_the_learning_rate_nan_guard_lowered(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     model = _model(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard(verbose=0, directory=tmp_path)
@@ -241,7 +234,7 @@ def test_disk_snapshot_carries_the_learning_rate_nan_guard_lowered(tmp_path):
 
 
 def test_restore_into_an_uncompiled_model_for_inference(tmp_path):
-    x, y = _data()
+    x, y = binary_data()
     model = _model(keras.optimizers.Adam(0.01))
     _fit(model, x, [ng.NaNGuard(verbose=0, directory=tmp_path)], y=y, batch_size=16)
 
@@ -275,7 +268,7 @@ class _PoisonEpoch(keras.callbacks.Callback):
 
 
 def test_epoch_with_no_healthy_batch_reports_no_train_figure(tmp_path, capsys):
-    x, y = _data(64)  # 4 batches
+    x, y = binary_data(64)  # 4 batches
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, target="y")
     path = tmp_path / "log.csv"
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
@@ -374,13 +367,13 @@ class _Lagging:
 
 
 def test_nonfinite_metric_has_its_own_kind_and_keeps_the_finite_loss():
-    x, y = _data()
+    x, y = binary_data()
     y = y.copy()
     y[50] = 10.0  # batch 3: the metric is inf there, the loss is finite
 
     def run(callbacks, metric):
         model = _model(None, compile=False)
-        model.compile(keras.optimizers.SGD(0.05), loss=LOSS, metrics=[metric])
+        model.compile(keras.optimizers.SGD(0.05), loss=BINARY_LOSS, metrics=[metric])
         return model, _fit(model, x, callbacks, y=y, batch_size=16, epochs=2)
 
     def mae(y_true, y_pred):
@@ -426,7 +419,7 @@ def _nan_target_run(guard, verbose, n=64):
     applied, so the state goes non-finite. Returns everything written to
     stdout, where the progress bar goes, with the warnings and the log lines
     of "keras_nanguard" interleaved in the order they were written."""
-    x, y = _data(n)
+    x, y = binary_data(n)
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
     model = _model(keras.optimizers.SGD(0.05))
     out, shown = io.StringIO(), []
