@@ -10,7 +10,7 @@ import pytest
 
 import keras_nanguard as ng
 from keras_nanguard import nan_guard, snapshots
-from tests.helpers import BACKEND, assert_bit_identical, numpy
+from tests.helpers import BACKEND, assert_bit_identical, mse_model, numpy
 
 
 def _data(n, seed=0):
@@ -19,24 +19,12 @@ def _data(n, seed=0):
     return x, (x @ rng.normal(size=(6, 1))).astype("float32")
 
 
-def _model(optimizer):
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
-
-
 @pytest.mark.skipif(
     BACKEND == "tensorflow", reason="Keras runs TF's batch ends in line"
 )
 def test_batch_ends_run_in_keras_worker_thread(monkeypatch):
     guard = ng.NaNGuard(verbose=0)
-    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
+    model = mse_model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
     assert keras.callbacks.CallbackList([guard], model=model)._async_train
     threads = []
     original = nan_guard.NaNGuard.on_train_batch_end
@@ -82,7 +70,7 @@ def test_no_device_read_per_step_between_snapshots(monkeypatch):
     for name in ("on_train_batch_begin", "on_train_batch_end"):
         monkeypatch.setattr(nan_guard.NaNGuard, name, hooked(name))
     guard = ng.NaNGuard(verbose=0, snapshot_every=10, check_every=1)
-    model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
+    model = mse_model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
     x, y = _data(640)  # 40 steps
     model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[guard])
     assert guard.incidents == []
@@ -104,7 +92,7 @@ def test_incidents_equal_injected_faults_at_their_exact_steps():
     spike = ng.faults.LearningRateSpike(at_steps=[5, 13], factor=float("inf"))
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard(verbose=0)
-    model = _model(opt)
+    model = mse_model(opt)
     model.fit(data, verbose=0, shuffle=False, callbacks=[spike, guard])
     found = [(i.kind, i.step, i.batch, i.steps) for i in guard.incidents]
     assert found == [("rejected_step", s, s, 1) for s in (2, 5, 9, 13)]
@@ -129,7 +117,7 @@ def test_plain_optimizer_rollback_restores_the_snapshot_bit_identical():
                 self.snapshot = snapshots.host_values(guard.snapshot)
 
     probe = AtRollback()
-    model = _model(keras.optimizers.Adam(0.01))
+    model = mse_model(keras.optimizers.Adam(0.01))
     model.fit(data, verbose=0, shuffle=False, callbacks=[guard, probe])
     assert guard.rollbacks == 1 and guard.incidents[0].step == 7
     assert guard.snapshot is not None and probe.snapshot is not None
@@ -144,7 +132,7 @@ def test_a_steps_logs_keep_its_values_after_later_steps():
     # Keras's worker thread may read a batch's logs after later steps ran:
     # they must hold that step's figures, not the live variables.
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
-    model = _model(opt)
+    model = mse_model(opt)
     opt.attach(model)
     x, y = _data(16)
     first = model.train_step((x, y))

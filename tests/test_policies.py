@@ -12,20 +12,7 @@ import pytest
 
 import keras_nanguard as ng
 from keras_nanguard.nan_guard import _MAX_LAG
-from tests.helpers import BACKEND
-
-
-def _model(optimizer):
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
+from tests.helpers import BACKEND, mse_model
 
 
 def _data(bad):
@@ -40,7 +27,9 @@ def test_nan_guard_limit_first_rolls_back_before_the_optimizer_halts():
         keras.optimizers.SGD(0.05), lr_backoff=0.5, max_consecutive_skips=5
     )
     guard = ng.NaNGuard(verbose=0, max_rejections=2, lr_factor=0.5)
-    _model(opt).fit(_data([2, 3]), verbose=0, shuffle=False, callbacks=[guard])
+    mse_model(opt, seed=1).fit(
+        _data([2, 3]), verbose=0, shuffle=False, callbacks=[guard]
+    )
     # Two rejections in a row: NaNGuard's trouble, one rollback; the
     # optimizer never reached its own limit.
     assert guard.rollbacks == 1
@@ -56,7 +45,9 @@ def test_nan_guard_limit_first_rolls_back_before_the_optimizer_halts():
 def test_optimizer_limit_first_halts_and_nan_guard_treats_the_halt():
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05), max_consecutive_skips=2)
     guard = ng.NaNGuard(verbose=0, max_rejections=5)
-    _model(opt).fit(_data([2, 3]), verbose=0, shuffle=False, callbacks=[guard])
+    mse_model(opt, seed=1).fit(
+        _data([2, 3]), verbose=0, shuffle=False, callbacks=[guard]
+    )
     assert [i.kind for i in guard.incidents] == ["halted"]
     assert guard.rollbacks == 1
     # The rollback restored the snapshot of step 0 (iterations 0) and with
