@@ -35,8 +35,8 @@ def forward_state(model: keras.Model) -> list[Any]:
 def _torch_buffers(model: keras.Model) -> list[Any]:
     # Every Keras layer is a torch module on this backend, but Sequential and
     # functional models keep their layers in plain lists that torch does not
-    # see: walk both the Keras layers and the torch submodules.
-    # Each module is visited once.
+    # see: walk both the Keras layers and the torch submodules, each module
+    # once.
     found: dict[int, Any] = {}
     stack, seen = [model], set()
     while stack:

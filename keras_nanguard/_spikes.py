@@ -1,8 +1,8 @@
 r"""Gradient-spike detection for SafeOptimizer, on the device.
 
 A step is a spike when its raw global gradient norm :math:`\|g\|` is more
-than `sigma` standard deviations above the mean of the last `window`
-accepted steps:
+than `sigma` standard deviations above the mean of the `window` norms in
+the window (below: what writes them):
 
 .. math:: \|g\| > \mu_w + \sigma \cdot s_w
 
