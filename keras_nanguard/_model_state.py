@@ -103,7 +103,9 @@ class ModelStateMixin:
         `train_on_batch` and the like a rejected step also leaves the state
         the forward pass writes bit-identical: BatchNormalization statistics,
         every non-trainable variable, seed-generator state, and on torch the
-        buffers of modules inside `keras.layers.TorchModuleWrapper`.
+        buffers of modules inside `keras.layers.TorchModuleWrapper` (not
+        torch's global generator, which unseeded random layers draw from
+        there: give them a `seed`).
 
         Keras does not tell an optimizer which model it trains; this call
         does, by wrapping the model's `train_step` (its public override

@@ -80,7 +80,11 @@ class PoisonedBatches(keras.utils.PyDataset):
     the first entry of its first `rows` samples, in `x`, `y` or both. (Keras
     itself reads a batch or two ahead of an epoch to learn shapes, so a
     dataset cannot count global steps reliably; for a one-off fault at a
-    given step use `GradientFault` or `LearningRateSpike`.)
+    given step use `GradientFault` or `LearningRateSpike`.) `fit` serves a
+    `PyDataset`'s batches in shuffled order unless given `shuffle=False`,
+    and with `workers` not always in index order (Keras 3.15 served 1, ...,
+    9, 0 with `workers=2`): pass `shuffle=False`, without workers, to know at
+    which step a poisoned batch lands.
 
     Args:
         x: inputs, a NumPy array.

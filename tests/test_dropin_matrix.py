@@ -484,3 +484,40 @@ def test_jax_stateless_loop_with_commit_and_counters():
         var.assign(value)
     assert int(opt.skipped_steps) == SKIPPED
     assert np.isfinite(model.predict(x, verbose=0)).all()
+
+
+# -------------------------------------------------------------- dropout
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_rejected_steps_do_not_advance_dropouts_random_stream(seeded):
+    """Dropout draws from Keras's seed state, which the transaction puts
+    back: training with poisoned batches equals training without them. One
+    exception, documented: on torch an unseeded `Dropout` draws from torch's
+    global generator, which lives on the host; putting it back would need the
+    decision on the host every step, so there its masks move on."""
+
+    def fit(x, y):
+        keras.utils.set_random_seed(3)  # unseeded layers draw their seed here
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                _dense(8, 1, activation="relu"),
+                keras.layers.Dropout(0.3, seed=7 if seeded else None),
+                _dense(1, 2),
+            ]
+        )
+        opt = _optimizer()
+        model.compile(optimizer=opt, loss="mse")
+        opt.attach(model)
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        return model, opt
+
+    x, y, x_bad, y_bad = _data()
+    model, opt = fit(x_bad, y_bad)
+    ref, ref_opt = fit(*_without_poisoned_batches(x, y))
+    assert int(opt.skipped_steps) == SKIPPED
+    if BACKEND == "torch" and not seeded:
+        assert numpy(model.trainable_variables)[0].tobytes() != (
+            numpy(ref.trainable_variables)[0].tobytes()
+        )
+    else:
+        _assert_same_training((model, opt), (ref, ref_opt), "dropout")
