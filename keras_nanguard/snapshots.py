@@ -52,7 +52,14 @@ def _tracked(model: keras.Model) -> list[keras.Variable]:
 
 
 def _unchecked(model: keras.Model) -> set[int]:
-    return _reports(getattr(model, "optimizer", None))
+    # What a restore leaves as it is, a snapshot does not check: the report
+    # values, and the learning rate (a setting callbacks change, e.g. a
+    # `LearningRateSpike` to inf for one step, which SafeOptimizer rejects).
+    skip = _reports(getattr(model, "optimizer", None))
+    lr = _learning_rate_variable(model)
+    if lr is not None:
+        skip.add(id(lr))
+    return skip
 
 
 def _reports(optimizer: Any) -> set[int]:
@@ -254,9 +261,6 @@ def restore(model: keras.Model, snapshot: Snapshot) -> None:
 
 def _assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> None:
     keep = _unchecked(model)
-    lr = _learning_rate_variable(model)
-    if lr is not None:
-        keep.add(id(lr))
     copy = keras.backend.backend() == "jax"
     for v, value in zip(variables, values, strict=True):
         if id(v) not in keep:

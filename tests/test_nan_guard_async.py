@@ -100,6 +100,24 @@ def test_incidents_equal_injected_faults_at_their_exact_steps():
     assert "update would have made" in guard.incidents[1].detail
 
 
+def test_a_snapshot_taken_under_an_infinite_learning_rate_is_no_incident():
+    # LearningRateSpike sets the rate before NaNGuard's turn at a batch
+    # begin, and leaves it set at the epoch's end: snapshots hold the infinite
+    # rate at steps 3 and 7. A restore leaves the learning rate as it is, so a
+    # snapshot does not check it: the rejected steps are the only incidents.
+    x, y = _data(128)  # 8 steps
+    spike = ng.faults.LearningRateSpike(at_steps=[3, 7], factor=float("inf"))
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
+    guard = ng.NaNGuard(verbose=0, snapshot_every=1)
+    model = mse_model(opt)
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[spike, guard])
+    found = [(i.kind, i.step, i.batch, i.steps) for i in guard.incidents]
+    assert found == [("rejected_step", 3, 3, 1), ("rejected_step", 7, 7, 1)]
+    assert (guard.rollbacks, int(opt.skipped_steps)) == (0, 2)
+    assert guard.snapshot.step == 8  # the epoch's end, with the rate at inf
+    assert numpy([opt.learning_rate])[0] == np.float32(0.05)  # the spike undone
+
+
 def test_plain_optimizer_rollback_restores_the_snapshot_bit_identical():
     x, y = _data(256)
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[7], target="y")
