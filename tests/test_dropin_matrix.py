@@ -403,6 +403,31 @@ def test_torch_loop_with_transaction(kind):
     assert np.isfinite(model.predict(x, verbose=0)).all()
 
 
+@only_torch
+def test_a_torch_module_added_between_fits_is_rolled_back_too():
+    # A buffers-only module (no Keras variable) made before the first fit
+    # and added after it: the attached step must see its buffers.
+    import torch
+
+    norm = keras.layers.TorchModuleWrapper(
+        torch.nn.BatchNorm1d(4, affine=False), output_shape=(None, 4)
+    )
+    model = keras.Sequential([keras.Input((4,)), _dense(4, 1)])
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss="mse")
+    opt.attach(model)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    model.fit(x, x, batch_size=8, verbose=0)
+    model.add(norm)
+    x_bad = x.copy()
+    x_bad[0, 0] = np.nan  # NaN in the forward pass: NaN batch statistics
+    model.fit(x_bad, x, batch_size=8, verbose=0)
+    assert int(opt.skipped_steps) == 1
+    assert norm.module.running_mean.tolist() == [0.0] * 4
+    assert norm.module.running_var.tolist() == [1.0] * 4
+    assert int(norm.module.num_batches_tracked) == 0
+
+
 @only_jax
 def test_jax_stateless_loop_with_commit_and_counters():
     import jax
