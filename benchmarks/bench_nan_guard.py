@@ -1,8 +1,9 @@
 """What NaNGuard costs on a healthy run, and what one snapshot costs by size.
 
 1. Steady-state time per step of `model.fit` on the MLP 784-256-256-10
-   (batch 128), SafeOptimizer(RMSprop) alone and with `NaNGuard()` (default
-   settings), interleaved in one process; ratio per round, median [min,
+   (batch 128), SafeOptimizer(RMSprop) alone, with an empty async-safe
+   batch-end callback (what Keras's batch-end dispatch costs by itself) and
+   with `NaNGuard()` (default settings), interleaved in one process; ratio per round, median [min,
    max]. The steady state leaves out what NaNGuard does once per fit or
    epoch on the training thread (the first snapshot at `on_train_begin`,
    the checks at `on_epoch_end` and `on_train_end`), which is reported
@@ -65,9 +66,24 @@ def _timed_guard():
     class TimedGuard(ng.NaNGuard):
         def on_train_begin(self, logs=None):
             self.once = {"train_begin": 0.0, "epoch_end": 0.0, "train_end": 0.0}
+            # CPU seconds of the thread running each batch hook (a wait for
+            # the lock or for Keras's workers costs none): the host work
+            # NaNGuard adds per step, snapshots included, less noisy than
+            # wall time.
+            self.cpu = {"batch_begin": 0.0, "batch_end": 0.0}
             start = time.perf_counter()
             super().on_train_begin(logs)
             self.once["train_begin"] += time.perf_counter() - start
+
+        def on_train_batch_begin(self, batch, logs=None):
+            start = time.thread_time()
+            super().on_train_batch_begin(batch, logs)
+            self.cpu["batch_begin"] += time.thread_time() - start
+
+        def on_train_batch_end(self, batch, logs=None):
+            start = time.thread_time()
+            super().on_train_batch_end(batch, logs)
+            self.cpu["batch_end"] += time.thread_time() - start
 
         def on_epoch_end(self, epoch, logs=None):
             start = time.perf_counter()
@@ -86,15 +102,31 @@ def overhead(rounds: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     x = rng.random((128 * steps, 784), dtype=np.float32)
     y = rng.integers(0, 10, len(x)).astype("int32")
+    import keras
+
+    class Listening(keras.callbacks.Callback):
+        """Does nothing at a batch end, async-safe: what Keras's dispatch of
+        batch ends (a worker thread, the logs made Python numbers) costs."""
+
+        async_safe = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
     alone, guarded = "SafeOptimizer alone", "SafeOptimizer + NaNGuard()"
-    models = {alone: _mlp(), guarded: _mlp()}
+    attached = "SafeOptimizer attached (NaNGuard's step, no callback)"
+    listened = "SafeOptimizer attached + an empty batch-end callback"
+    models = {alone: _mlp(), attached: _mlp(), listened: _mlp(), guarded: _mlp()}
+    for name in (attached, listened):  # the step NaNGuard's `attach` makes
+        models[name].optimizer.attach(models[name])
     per_round = {k: [] for k in models}
-    once = []
+    once, cpu = [], []
 
     def run(name, n):
         # A new NaNGuard per fit, as a user's script has: its first snapshot
         # is in `once`, not in the steady state.
         guard = _timed_guard() if name == guarded else None
+        callbacks = [guard] if guard else [Listening()] if name == listened else []
         start = time.perf_counter()
         models[name].fit(
             x[: 128 * n],
@@ -103,11 +135,12 @@ def overhead(rounds: int, steps: int) -> dict:
             epochs=1,
             verbose=0,
             shuffle=False,
-            callbacks=[guard] if guard else [],
+            callbacks=callbacks,
         )
         wall = time.perf_counter() - start
         if guard is None:
             return wall / n, None
+        guard.cpu = {k: v / n for k, v in guard.cpu.items()}
         return (wall - sum(guard.once.values())) / n, guard
 
     for name in models:
@@ -118,7 +151,15 @@ def overhead(rounds: int, steps: int) -> dict:
             per_round[name].append(step)
             if guard is not None:
                 once.append(guard.once)
-    return {"per_round": per_round, "once": once, "guard": guard, "alone": alone}
+                cpu.append(guard.cpu)
+    return {
+        "per_round": per_round,
+        "once": once,
+        "cpu": cpu,
+        "guard": guard,
+        "alone": alone,
+        "listened": listened,
+    }
 
 
 def snapshot_cost(sizes: list[str], repeats: int) -> list[tuple]:
@@ -192,12 +233,24 @@ def main() -> int:
     print(
         f"{args.rounds} interleaved rounds of one-epoch fits of {args.steps} steps.\n"
     )
-    print("| configuration | step time (median) | ratio to SafeOptimizer alone |")
-    print("|---|---|---|")
+    listened = res["per_round"][res["listened"]]
+    print(
+        "| configuration | step time (median) | ratio to SafeOptimizer alone "
+        "| ratio to the empty callback |"
+    )
+    print("|---|---|---|---|")
     for name, times in res["per_round"].items():
         print(
             f"| {name} | {1e3 * statistics.median(times):.3f} ms | "
-            f"{ratio_summary(times, base)} |"
+            f"{ratio_summary(times, base)} | {ratio_summary(times, listened)} |"
+        )
+    alone_ms = 1e3 * statistics.median(base)
+    print("\nNaNGuard's batch hooks, CPU time of their thread per step (median):\n")
+    for key in ("batch_begin", "batch_end"):
+        us = statistics.median(1e6 * c[key] for c in res["cpu"])
+        print(
+            f"- `on_train_{key}`: {us:.1f} µs "
+            f"({us / 10 / alone_ms:.2f} % of SafeOptimizer alone's step)"
         )
     print("\nOnce per fit / epoch, apart from the steady state (median over fits):\n")
     for key in ("train_begin", "epoch_end", "train_end"):
