@@ -120,6 +120,26 @@ def test_optimizer_state_overflow_is_rolled_back():
     assert "optimizer variable" in opt.describe_last_rejection()
 
 
+def test_a_lone_nan_in_a_large_update_is_rolled_back():
+    # Adagrad with epsilon=0 and no initial accumulator divides 0 by 0 where
+    # a gradient entry is 0: NaN there, finite elsewhere, no inf. In a 64x64
+    # kernel (XLA:CPU's fused max reduction drops NaN from 4096 entries on)
+    # the one NaN column must still reject the step, in `fit`'s compiled step.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
+    inner = keras.optimizers.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=0.0)
+    opt = ng.SafeOptimizer(inner)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 64)).astype("float32")
+    x[:, 5] = 0.0  # row 5 of the kernel gets a zero gradient
+    before = numpy(model.weights)
+    model.train_on_batch(x, np.ones((8, 64), "float32"))
+    assert_bit_identical(before, numpy(model.weights), "weights")
+    c = opt.counters()
+    assert (c["skipped_steps"], c["nonfinite_update_steps"]) == (1, 1)
+    assert "kernel" in opt.describe_last_rejection()
+
+
 def test_large_finite_gradients_are_not_mistaken_for_infinite():
     model = _model()
     opt = ng.SafeOptimizer(keras.optimizers.SGD(1e-30), clipnorm=1.0)
