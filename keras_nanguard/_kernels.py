@@ -147,7 +147,7 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     # and `v * 0` cost XLA:CPU 2 and 4 more bytes per entry (a mask, a
     # broadcast zero). XLA folds `v - v` to 0 for floats only under fast
     # math, which folds every finiteness check away (isfinite included).
-    return ops.isfinite(ops.stack([ops.sum(_raw(v) - _raw(v)) for v in values]))
+    return ops.isfinite(ops.stack([ops.sum(x - x) for x in map(_raw, values)]))
 
 
 def softmax_parts(x: Tensor, axis: int | tuple[int, ...], log: bool) -> Tensor:
