@@ -124,7 +124,7 @@ def test_a_lone_nan_in_a_large_update_is_rolled_back():
     # Adagrad with epsilon=0 and no initial accumulator divides 0 by 0 where
     # a gradient entry is 0: NaN there, finite elsewhere, no inf. In a 64x64
     # kernel (XLA:CPU's fused max reduction drops NaN from 4096 entries on)
-    # the one NaN column must still reject the step, in `fit`'s compiled step.
+    # the one NaN row must still reject the step, in `fit`'s compiled step.
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
     inner = keras.optimizers.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=0.0)
