@@ -264,12 +264,26 @@ def train_agent(
     return result
 
 
-# A learning rate the agent can learn with, returns left unnormalised: it
-# reaches the episode cap, then its policy collapses, with no NaN. With
-# `spike_sigma` SafeOptimizer rejects its isolated gradient spikes; the
-# collapse comes anyway (the notebook shows why).
-LEARNS_THEN_COLLAPSES = AgentConfig(learning_rate=0.03)
+# A learning rate the agent can learn with, returns left unnormalised: nothing
+# turns NaN, but the gradient norm grows with the episode length (a return is
+# a sum over the rest of the episode), and the run is unstable: in most runs
+# the agent reaches the episode cap and its policy later collapses onto one
+# action. When, or whether within a few hundred episodes, is chaotic: another
+# seed, or the same seed on another CPU (float32 sums rounded in another
+# order), gives another trajectory, so the notebook computes its figures and
+# the tests assert only what holds for every run. With `spike_sigma`
+# SafeOptimizer rejects the norm's isolated jumps, not its climb.
+RETURNS_UNNORMALISED = AgentConfig(learning_rate=0.03)
 SPIKE_GUARD = dict(spike_sigma=6.0, spike_window=32)
+EARLY_WARNING_EPISODES = 310
+
+
+def norm_follows_length(result: RunResult) -> float:
+    """Correlation of the log gradient norm with the log episode length over
+    the run: how much of the norm's climb the episode length explains."""
+    length = np.log(np.asarray(result.rewards, "float64"))
+    norm = np.log(np.asarray(result.grad_norms, "float64"))
+    return float(np.corrcoef(length, norm)[0, 1])
 
 
 def collapse_episode(result: RunResult, low: float = 12.0, run: int = 10) -> int | None:

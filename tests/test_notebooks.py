@@ -147,24 +147,27 @@ def test_actor_critic_claims():
 
 
 def test_actor_critic_early_warning_claims():
+    """What the notebook says of every run of this agent. The trajectory
+    itself (the episode it learns, whether and when it collapses) is chaotic:
+    it changes with the seed and with the CPU's float32 rounding, so nothing
+    here is pinned to an episode. Checked on seeds 0-4 of this scenario: the
+    correlation below was 0.73-0.87, and every guarded run rejected a spike."""
     import tutorial
 
+    episodes = tutorial.EARLY_WARNING_EPISODES
     plain = tutorial.train_agent(
-        tutorial.LEARNS_THEN_COLLAPSES, episodes=300, stop_when_solved=False
+        tutorial.RETURNS_UNNORMALISED, episodes=episodes, stop_when_solved=False
     )
-    config = dataclasses.replace(tutorial.LEARNS_THEN_COLLAPSES, **tutorial.SPIKE_GUARD)
-    guarded = tutorial.train_agent(config, episodes=300, stop_when_solved=False)
-    for run, collapse in ((plain, 200), (guarded, 168)):
+    config = dataclasses.replace(tutorial.RETURNS_UNNORMALISED, **tutorial.SPIKE_GUARD)
+    guarded = tutorial.train_agent(config, episodes=episodes, stop_when_solved=False)
+    for run in (plain, guarded):
+        assert len(run.rewards) == len(run.grad_norms) == episodes
         assert run.nan_episode is None and run.crash is None  # nothing is NaN
-        assert max(run.rewards[:collapse]) == 500  # it had learned
-        assert tutorial.collapse_episode(run) == collapse
-        assert min(run.min_probs[collapse : collapse + 10]) < 1e-12  # saturated
-        norms = np.array(run.grad_norms)  # a hundredfold rise before it
-        assert np.median(norms[collapse - 20 : collapse]) > 30 * np.median(norms[:30])
-    assert not any(plain.spikes)
-    spikes = [i for i, s in enumerate(guarded.spikes) if s]
-    assert spikes == [71, 77, 128, 223, 224, 225, 227, 228, 229, 230]
-    assert guarded.skipped_steps == len(spikes)
+        # the gradient norm follows the episode length
+        assert tutorial.norm_follows_length(run) > 0.5
+    assert plain.spikes == [] and plain.skipped_steps == 0
+    assert len(guarded.spikes) == episodes
+    assert guarded.skipped_steps == sum(guarded.spikes) >= 1
 
 
 def test_image_observation_claims():
