@@ -1,9 +1,12 @@
 """Run the whole check: ruff, then the test suite once per Keras backend.
 
-Usage: `python -m tests [--backends tensorflow,jax,torch] [pytest args...]`.
-Each backend runs in its own process (Keras picks its backend at import).
-Any failure, and also pytest's exit code 5 ("no tests collected"), fails the
-run.
+Usage: `python -m tests [--backends tensorflow,jax,torch] [--jobs N] [pytest args...]`.
+Each backend runs in its own process (Keras picks its backend at import),
+`--jobs` of them at a time (default: one per CPU core, at most 3): most of a
+test's time is single-threaded Python and tracing, so two backends on two
+cores take about two thirds of the time of one after the other. Each
+backend's output is printed whole when it ends. Any failure, and also
+pytest's exit code 5 ("no tests collected"), fails the run.
 """
 
 from __future__ import annotations
@@ -13,39 +16,58 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> int:
+def _run(cmd: list[str]) -> int:
     print(f"\n$ {' '.join(cmd)}", flush=True)
-    return subprocess.call(cmd, env=env)
+    return subprocess.call(cmd)
+
+
+def _pytest(backend: str, pytest_args: list[str]) -> tuple[int, str, float]:
+    """The suite under `backend`: exit code, output, seconds."""
+    cmd = [sys.executable, "-m", "pytest", *pytest_args]
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    start = time.perf_counter()
+    done = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    header = f"$ KERAS_BACKEND={backend} {' '.join(cmd)}\n"
+    return done.returncode, header + done.stdout, time.perf_counter() - start
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 3))
     parser.add_argument("--no-lint", action="store_true")
     args, pytest_args = parser.parse_known_args()
     backends = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         parser.error(f"--backends must be among {BACKENDS}. Received: {unknown}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1. Received: {args.jobs}")
 
-    failures = []
+    failures, start = [], time.perf_counter()
     if not args.no_lint:
         for cmd in (["ruff", "check", "."], ["ruff", "format", "--check", "."]):
             if _run([sys.executable, "-m", *cmd]) != 0:
                 failures.append(" ".join(cmd))
-    for backend in backends:
-        env = dict(os.environ, KERAS_BACKEND=backend)
-        start = time.perf_counter()
-        code = _run([sys.executable, "-m", "pytest", *pytest_args], env=env)
-        print(
-            f"[{backend}] pytest exit code {code} in {time.perf_counter() - start:.0f} s"
-        )
-        if code != 0:  # 5 = no tests collected: a failure too
-            failures.append(f"pytest under KERAS_BACKEND={backend} (exit code {code})")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        runs = {pool.submit(_pytest, b, pytest_args): b for b in backends}
+        print(f"pytest on {', '.join(backends)}, {args.jobs} at a time", flush=True)
+        for run in as_completed(runs):
+            backend, (code, output, seconds) = runs[run], run.result()
+            print(f"\n{output}[{backend}] pytest exit code {code} in {seconds:.0f} s")
+            sys.stdout.flush()
+            if code != 0:  # 5 = no tests collected: a failure too
+                failures.append(
+                    f"pytest under KERAS_BACKEND={backend} (exit code {code})"
+                )
+    print(f"\n{len(backends)} backends in {time.perf_counter() - start:.0f} s")
     if failures:
         print("\nFAILED: " + "; ".join(failures))
         return 1
