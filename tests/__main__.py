@@ -4,8 +4,9 @@ Usage: `python -m tests [--backends tensorflow,jax,torch] [--jobs N] [pytest arg
 Each backend runs in its own process (Keras picks its backend at import),
 `--jobs` of them at a time (default: one per CPU core, at most 3; on a
 2-core VM the whole check took 1666 s, against 2602 s with `--jobs 1`).
-Each backend's output is printed whole when it ends. Any failure, and also
-pytest's exit code 5 ("no tests collected"), fails the run.
+With more than one at a time, each backend's output is printed whole when
+it ends. Any failure, and also pytest's exit code 5 ("no tests collected"),
+fails the run.
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ def _run(cmd: list[str]) -> int:
     return subprocess.call(cmd)
 
 
-def _pytest(backend: str, pytest_args: list[str]) -> tuple[int, str, float]:
-    """The suite under `backend`: exit code, output, seconds."""
+def _pytest(
+    backend: str, pytest_args: list[str], capture: bool
+) -> tuple[int, str, float]:
+    """The suite under `backend`: exit code, output (streamed instead when
+    not `capture`), seconds."""
     cmd = [sys.executable, "-m", "pytest", *pytest_args]
+    header = f"$ KERAS_BACKEND={backend} {' '.join(cmd)}\n"
+    if not capture:
+        print(header, end="", flush=True)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if capture else {}
     env = dict(os.environ, KERAS_BACKEND=backend)
     start = time.perf_counter()
-    done = subprocess.run(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    header = f"$ KERAS_BACKEND={backend} {' '.join(cmd)}\n"
-    return done.returncode, header + done.stdout, time.perf_counter() - start
+    done = subprocess.run(cmd, env=env, text=True, **pipes)
+    output = header + done.stdout if capture else ""
+    return done.returncode, output, time.perf_counter() - start
 
 
 def main() -> int:
@@ -55,9 +61,11 @@ def main() -> int:
         for cmd in (["ruff", "check", "."], ["ruff", "format", "--check", "."]):
             if _run([sys.executable, "-m", *cmd]) != 0:
                 failures.append(" ".join(cmd))
-    with ThreadPoolExecutor(args.jobs) as pool:
-        runs = {pool.submit(_pytest, b, pytest_args): b for b in backends}
-        print(f"pytest on {', '.join(backends)}, {args.jobs} at a time", flush=True)
+    jobs = min(args.jobs, len(backends))
+    print(f"\npytest on {', '.join(backends)}, {jobs} at a time", flush=True)
+    with ThreadPoolExecutor(jobs) as pool:
+        capture = jobs > 1  # one at a time: streamed
+        runs = {pool.submit(_pytest, b, pytest_args, capture): b for b in backends}
         for run in as_completed(runs):
             backend, (code, output, seconds) = runs[run], run.result()
             print(f"\n{output}[{backend}] pytest exit code {code} in {seconds:.0f} s")
