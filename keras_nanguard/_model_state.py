@@ -21,6 +21,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _loss_scaling as loss_scaling
 from keras_nanguard import _step_ops as step_ops
 
 
@@ -169,41 +170,128 @@ class ModelStateMixin:
         original = getattr(step, "_nanguard_original", step)
 
         if keras.backend.backend() == "jax":
-
-            def train_step(state: Any, data: Any) -> Any:
-                logs, new_state = original(state, data)
-                trainable, non_trainable, optimizer_values, metrics = new_state
-                self._check_is_optimizer_of(model)
-                variables = model.optimizer.variables
-                accepted = self._accepted(optimizer_values, variables)
-                non_trainable = select(accepted, state[1], non_trainable)
-                metrics = select(accepted, state[3], metrics)
-                mapping = list(zip(model.metrics_variables, metrics, strict=True))
-                mapping += list(zip(variables, optimizer_values, strict=True))
-                with keras.StatelessScope(state_mapping=mapping):
-                    logs = self._step_logs(model, logs)
-                return logs, (trainable, non_trainable, optimizer_values, metrics)
-
+            train_step = self._stateless_train_step(model, original)
         else:
-
-            def train_step(data: Any) -> Any:
-                build_for(model, data)
-                state = forward_state(model) + model.metrics_variables
-                # In `fit` a halt is NaNGuard's to act on (or warned at the
-                # end), as in compiled steps: not raised from `apply`.
-                self._plans.in_fit = True
-                try:
-                    with self._guard(model, state):
-                        logs = original(data)
-                finally:
-                    self._plans.in_fit = False
-                return self._step_logs(model, logs)
-
+            train_step = self._train_step(model, original)
         train_step._nanguard_optimizer = self  # type: ignore[attr-defined]
         train_step._nanguard_original = original  # type: ignore[attr-defined]
         model.train_step = train_step
-        if getattr(model, "train_function", None) is not None:
-            model.make_train_function(force=True)  # made before: remake it
+        self._plans.attached = True
+        _remake_train_function(model)
+
+    def detach(self, model: keras.Model) -> None:
+        """Undoes `attach`: `model.train_step` is Keras's (or yours) again.
+
+        Not needed to train the model with another optimizer: an attached
+        step whose model is compiled with an optimizer other than this one
+        (or a `LossScaleOptimizer` around it) is the plain step. Detaching a
+        model this optimizer is not attached to does nothing.
+
+        Args:
+            model: the `keras.Model` given to `attach`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> opt.attach(model)
+        >>> opt.detach(model)
+        >>> "train_step" in vars(model)
+        False
+        """
+        step = getattr(model, "train_step", None)
+        if getattr(step, "_nanguard_optimizer", None) is not self:
+            return
+        original = step._nanguard_original
+        if getattr(original, "__self__", None) is model and getattr(
+            original, "__func__", None
+        ) is getattr(type(model), "train_step", None):
+            del model.train_step  # the class's own step again
+        else:
+            model.train_step = original  # a step the user had set
+        self._plans.attached = False
+        _remake_train_function(model)
+
+    def _trains(self, model: keras.Model) -> bool:
+        """Whether `model` is compiled with this optimizer (possibly inside
+        loss scalers): the attached step is the plain one otherwise."""
+        optimizer = getattr(model, "optimizer", None)
+        while optimizer is not None and optimizer is not self:
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+        return optimizer is self
+
+    def _train_step(self, model: keras.Model, original: Any) -> Any:
+        """The attached `train_step` of TensorFlow and torch."""
+
+        def train_step(data: Any) -> Any:
+            if not self._trains(model):  # compiled with another optimizer
+                return original(data)
+            build_for(model, data)
+            state = forward_state(model) + model.metrics_variables
+            # In `fit` a halt is NaNGuard's to act on (or warned at the
+            # end), as in compiled steps: not raised from `apply`.
+            self._plans.in_fit = True
+            try:
+                with self._guard(model, state) as step:
+                    step.logs = original(data)
+            finally:
+                self._plans.in_fit = False
+            return self._step_logs(model, step.logs)
+
+        return train_step
+
+    def _stateless_train_step(self, model: keras.Model, original: Any) -> Any:
+        """The attached `train_step` of JAX: Keras's stateless step, then a
+        select of the state it returns."""
+
+        def train_step(state: Any, data: Any) -> Any:
+            if not self._trains(model):  # compiled with another optimizer
+                return original(state, data)
+            self._plans.in_fit, self._plans.model = True, model
+            try:
+                logs, new_state = original(state, data)
+            finally:
+                self._plans.in_fit, self._plans.model = False, None
+            trainable, non_trainable, optimizer_values, metrics = new_state
+            variables = model.optimizer.variables
+            accepted = self._accepted(optimizer_values, variables)
+            found = loss_scaling.scalers(model.optimizer, self)
+            if found:
+                mapping = list(zip(variables, optimizer_values, strict=True))
+                with keras.StatelessScope(state_mapping=mapping) as scope:
+                    skipped = self._settle_scalers(
+                        found, _values_of(state[2], variables, found), logs
+                    )
+                optimizer_values = [scope.get_current_value(v) for v in variables]
+                accepted = ops.logical_and(accepted, ops.logical_not(skipped))
+            non_trainable = select(accepted, state[1], non_trainable)
+            metrics = select(accepted, state[3], metrics)
+            mapping = list(zip(model.metrics_variables, metrics, strict=True))
+            mapping += list(zip(variables, optimizer_values, strict=True))
+            with keras.StatelessScope(state_mapping=mapping):
+                logs = self._step_logs(model, logs)
+            return logs, (trainable, non_trainable, optimizer_values, metrics)
+
+        return train_step
+
+    def _settle_scalers(self, found: list[Any], before: list[Any], logs: Any) -> Any:
+        """After a step under loss scalers: whether one of them skipped it.
+        A skip with a non-finite loss is bad data: the scalers' state is put
+        back and the step counted as a rejected one; with a finite loss it is
+        an overflow of the scaled gradients, counted apart, and the scalers
+        keep their halved scale (see `_loss_scaling`)."""
+        variables = loss_scaling.state(found)
+        before = loss_scaling.typed(before, variables)
+        skipped = loss_scaling.skipped(before, [v.value for v in variables])
+        loss_ok = loss_scaling.finite_loss(logs)
+        bad_data = ops.convert_to_tensor(False)
+        if loss_ok is not None:
+            bad_data = ops.logical_and(skipped, ops.logical_not(loss_ok))
+        step_ops.restore_unless(ops.logical_not(bad_data), variables, before)
+        self._count_scaler_skip(skipped, bad_data)
+        return skipped
 
     def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
         """A custom training step as a whole-model transaction (TensorFlow,
@@ -241,23 +329,34 @@ class ModelStateMixin:
         return self._guard(model, forward_state(model))
 
     @contextlib.contextmanager
-    def _guard(self, model: keras.Model, state: list[Any]) -> Iterator[None]:
+    def _guard(self, model: keras.Model, state: list[Any]) -> Iterator[_Step]:
         self._check_is_optimizer_of(model)
+        found = loss_scaling.scalers(getattr(model, "optimizer", None), self)
         before = read(state)
+        scalers_before = loss_scaling.read_state(found)
         # A flag set, not a count read: a compiled torch step would recompile
         # whenever a Python int it reads changes.
         self._plans.applied = False
+        self._plans.model = model
+        step = _Step()
         try:
-            yield
+            yield step
         except BaseException:
             step_ops.restore_unless(False, state, before)
             raise
-        if not self._plans.applied:
+        finally:
+            self._plans.model = None
+        if not self._plans.applied and not found:
+            step_ops.restore_unless(False, state, before)
             raise RuntimeError(
                 "No step of this SafeOptimizer ran inside `transaction(model)`: "
                 "call `apply`/`apply_gradients` inside the `with` block."
             )
-        step_ops.restore_unless(self.consecutive_skips.value == 0, state, before)
+        accepted = self.consecutive_skips.value == 0
+        if found:  # a loss scaler may have skipped the step without us
+            skipped = self._settle_scalers(found, scalers_before, step.logs)
+            accepted = ops.logical_and(accepted, ops.logical_not(skipped))
+        step_ops.restore_unless(accepted, state, before)
 
     def stateless_commit(
         self,
@@ -302,12 +401,20 @@ class ModelStateMixin:
         logs = dict(logs)
         fresh = model.get_metrics_result()
         logs.update({k: v for k, v in fresh.items() if k in logs})
-        logs["nanguard_grad_norm"] = self.accepted_grad_norm.value
-        logs["nanguard_rejected_steps"] = self.skipped_steps.value
+        figures = {
+            "nanguard_grad_norm": self.accepted_grad_norm,
+            "nanguard_rejected_steps": self.skipped_steps,
+        }
         if self.lr_backoff is not None:
-            logs["nanguard_lr_scale"] = self.lr_scale.value
+            figures["nanguard_lr_scale"] = self.lr_scale
         if self.spike_sigma is not None:
-            logs["nanguard_spike_steps"] = self.spike_steps.value
+            figures["nanguard_spike_steps"] = self.spike_steps
+        if loss_scaling.scalers(getattr(model, "optimizer", None), self):
+            figures["nanguard_loss_scale_steps"] = self.loss_scale_steps
+        # Copies, not the variables: `run_eagerly` on TensorFlow hands the
+        # logs on as they are, and torch's callbacks may read them in
+        # Keras's worker threads after later steps updated the variables.
+        logs.update({k: ops.copy(v.value) for k, v in figures.items()})
         if keras.backend.backend() == "torch":
             # A torch variable's value is the live tensor that later steps
             # update in place; callbacks run in Keras's worker threads may
@@ -347,3 +454,21 @@ def _frozen(value: Any) -> Any:
 
     live = isinstance(value, torch.nn.Parameter)
     return value.detach().clone() if live else value
+
+
+class _Step:
+    """What a guarded step hands back to its guard: its logs, where the loss
+    tells bad data from an overflow of loss-scaled gradients."""
+
+    logs: Any = None
+
+
+def _values_of(values: list[Any], variables: list[Any], found: list[Any]) -> list:
+    """The entries of `values` (in `variables` order) of the scalers' state."""
+    index = {id(v): i for i, v in enumerate(variables)}
+    return [values[index[id(v)]] for v in loss_scaling.state(found)]
+
+
+def _remake_train_function(model: keras.Model) -> None:
+    if getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)  # made before: remake it

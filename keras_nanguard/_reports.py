@@ -11,7 +11,14 @@ from keras import ops
 from keras_nanguard import _spikes as spikes
 from keras_nanguard.errors import NonFiniteError
 
-_REASONS = {0: "none", 1: "gradient", 2: "update", 3: "spike"}
+_REASONS = {
+    0: "none",
+    1: "gradient",
+    2: "update",
+    3: "spike",
+    4: "loss_scale_overflow",
+    5: "loss",
+}
 _COUNTERS = (
     ("skipped_steps", "int32", 0),
     ("consecutive_skips", "int32", 0),
@@ -26,15 +33,19 @@ _COUNTERS = (
     ("consecutive_accepts", "int32", 0),
     ("accepted_grad_norm", "float32", 0.0),
     ("spike_steps", "int32", 0),
+    ("loss_scale_steps", "int32", 0),
 )
 # keras-nanguard 0.1 saved these counters, after two variables of the base
 # class that are no longer state.
 _COUNTERS_0_1 = 11
+# keras-nanguard 0.2 saved the first 13, then the spike window if any.
+_COUNTERS_0_2 = 13
 # Counters that are history (NaNGuard keeps them through a rollback); the
 # others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
 _HISTORY = (
     "skipped_steps",
     "spike_steps",
+    "loss_scale_steps",
     "nonfinite_gradient_steps",
     "nonfinite_update_steps",
     "clipped_steps",
@@ -117,6 +128,18 @@ class ReportsMixin:
                 f"the global gradient norm {norm:.4g} was a spike, more than "
                 f"{self.spike_sigma:g} standard deviations above the mean of the "
                 f"last {self.spike_window} accepted steps ({mean:.4g} +- {std:.4g})"
+            )
+        if reason == "loss_scale_overflow":
+            return (
+                "the loss-scaled gradients overflowed (mixed precision): the "
+                "LossScaleOptimizer skipped the step and halved its loss "
+                "scale, its routine"
+            )
+        if reason == "loss":
+            return (
+                "the loss was not finite (a bad batch: non-finite inputs, "
+                "targets or loss terms), so the loss-scaled gradients were "
+                "not either; the LossScaleOptimizer's scale was kept"
             )
         if reason == "gradient":
             return (

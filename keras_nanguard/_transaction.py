@@ -259,6 +259,39 @@ class TransactionMixin:
         self.lr_scale.assign(ops.clip(lr_scale, self.min_lr_scale, 1.0))
         self.consecutive_accepts.assign(ops.where(recover, 0, accepts))
 
+    def _count_scaler_skip(self, skipped: Any, bad_data: Any) -> None:
+        """Counts a step that a loss scaler around this optimizer skipped
+        (this optimizer's step did not run): as a rejected step; as a
+        non-finite gradient when the loss was not finite too (`bad_data`),
+        else as an overflow of the loss-scaled gradients, which is the loss
+        scaler's routine and neither a streak nor a reason to back off."""
+        i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
+        overflow = ops.logical_and(skipped, ops.logical_not(bad_data))
+        self.skipped_steps.assign(self.skipped_steps.value + i32(skipped))
+        self.loss_scale_steps.assign(self.loss_scale_steps.value + i32(overflow))
+        self.nonfinite_gradient_steps.assign(
+            self.nonfinite_gradient_steps.value + i32(bad_data)
+        )
+        self.consecutive_skips.assign(self.consecutive_skips.value + i32(bad_data))
+        reason = ops.where(bad_data, 5, ops.where(overflow, 4, 0))
+        self.last_rejection.assign(
+            ops.where(skipped, reason, self.last_rejection.value)
+        )
+        self.last_nonfinite_index.assign(
+            ops.where(skipped, -1, self.last_nonfinite_index.value)
+        )
+        self.rejected_grad_norm.assign(  # the scaled gradients' norm: not finite
+            ops.where(skipped, float("nan"), self.rejected_grad_norm.value)
+        )
+        if self.lr_backoff is not None:
+            lr_scale = ops.where(
+                bad_data, self.lr_scale.value * self.lr_backoff, self.lr_scale.value
+            )
+            self.lr_scale.assign(ops.clip(lr_scale, self.min_lr_scale, 1.0))
+            self.consecutive_accepts.assign(
+                ops.where(bad_data, 0, self.consecutive_accepts.value)
+            )
+
 
 class _Plans:
     """Per-call-shape Python bookkeeping, kept out of Keras's variable tracking
@@ -270,6 +303,12 @@ class _Plans:
         self.indices: dict[tuple, Any] = {}
         self.applied = False  # set by `apply`, so `transaction` can tell one ran
         self.in_fit = False  # inside an attached `fit` step
+        # The model of the transaction `apply` runs in (`None` outside one),
+        # and the (model, variables) pairs found to belong together.
+        self.model: keras.Model | None = None
+        self.trained: set[tuple] = set()
+        self.warned_unattached = False
+        self.attached = False  # attached to a model at some point
 
     def index(self, values: tuple[int, ...], like: keras.Variable) -> Any:
         """Reported indices as a table the step gathers from. On torch a

@@ -21,6 +21,7 @@ from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
 from keras_nanguard._loss_spikes import LossSpikes, Spike
 
 REJECTED = "nanguard_rejected_steps"
+OVERFLOWS = "nanguard_loss_scale_steps"
 
 
 @dataclasses.dataclass
@@ -45,11 +46,16 @@ class BatchWatch:
     lock around every method, and calls `end` in batch order."""
 
     def __init__(
-        self, rejected: int, consecutive: int, spikes: LossSpikes | None = None
+        self,
+        rejected: int,
+        consecutive: int,
+        spikes: LossSpikes | None = None,
+        overflows: int = 0,
     ) -> None:
         self.spikes = spikes  # loss-spike detection, when NaNGuard has it on
         self.rejected = rejected  # a SafeOptimizer's total, as last logged
         self.run = consecutive
+        self.overflows = overflows  # the loss-scale overflow skips, likewise
         self.counts_rejections = False  # the logs carry the exact total
         self.steps_done = 0  # steps seen in this fit
         self.events: list[Event] = []
@@ -88,14 +94,12 @@ class BatchWatch:
             self.reset_at = None
             if self.spikes is not None:
                 self.spikes.segment_reset()
-        new = 0
-        if REJECTED in logs:
-            self.counts_rejections = True
-            rejected = int(logs[REJECTED])
-            new, self.rejected = rejected - self.rejected, rejected
+        new, overflows = self._rejections(logs)
         if self.run_reset_at is not None and step >= self.run_reset_at:
             self.run, self.run_reset_at = 0, None
-        self.run = self.run + steps if new == steps else new
+        # Overflow skips neither extend nor break a streak, as on the device.
+        real = new - overflows
+        self.run = self.run + real if new == steps else real
         # A tainted figure's running mean holds a batch already left out.
         tainted = self.figures.tainted
         bad_logs = sorted(
@@ -113,21 +117,21 @@ class BatchWatch:
         loss = None  # the execution's own loss, for the loss-spike detector
         if self.spikes is not None:
             loss = self.spikes.batch_loss(raw, before, counted)
-        if not (bad_logs or new):
+        if not (bad_logs or real):
             self._bad_before = False
             if step >= self.leave_out_until and not self._spiking(loss, step, steps):
                 self.healthy_step = step
             return
         self.events.append(
             Event(
-                "rejection" if new else "bad_figures",
+                "rejection" if real else "bad_figures",
                 self.epoch,
                 first,
                 step,
                 steps,
                 seen,
                 bad_logs,
-                rejections=new,
+                rejections=real,
                 run=self.run,
                 continues=self._bad_before,
             )
@@ -135,6 +139,20 @@ class BatchWatch:
         self._bad_before = True
         if bad_loss and not self.counts_rejections:  # the weights may be bad
             self.leave_out_until = math.inf
+
+    def _rejections(self, logs: dict) -> tuple[int, int]:
+        """The steps an attached SafeOptimizer rejected since the last logs,
+        and how many of them were loss-scale overflows (a loss scaler's
+        routine, not trouble)."""
+        new = overflows = 0
+        if REJECTED in logs:
+            self.counts_rejections = True
+            rejected = int(logs[REJECTED])
+            new, self.rejected = rejected - self.rejected, rejected
+        if OVERFLOWS in logs:
+            overflowed = int(logs[OVERFLOWS])
+            overflows, self.overflows = overflowed - self.overflows, overflowed
+        return new, overflows
 
     def _spiking(self, loss: float | None, step: int, steps: int) -> bool:
         """Feeds a healthy execution's loss to the loss-spike detector.

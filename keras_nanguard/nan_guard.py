@@ -229,18 +229,19 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         self._net = self.model
         self._k = max(1, int(getattr(self._net, "steps_per_execution", 1) or 1))
         self._safe = snapshots.find_safe_optimizer(self._net.optimizer)
-        rejected = consecutive = 0
+        rejected = consecutive = overflows = 0
         if self._safe is not None:  # a rejected step keeps BN statistics too
             self._safe.attach(self._net)
             snapshots.sync_from_device(self._net)
             c = self._safe.counters()  # one read per fit
             rejected, consecutive = c["skipped_steps"], c["consecutive_skips"]
+            overflows = c["loss_scale_steps"]
         spikes = None
         if self.loss_spike_sigma is not None:
             spikes = LossSpikes(
                 self.loss_spike_sigma, self.loss_spike_window, self.loss_spike_patience
             )
-        self._watch = BatchWatch(rejected, consecutive, spikes)
+        self._watch = BatchWatch(rejected, consecutive, spikes, overflows)
         self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
         self._checks = Cadence(self.check_every, 0.01, 1)
         # The last fit's rollback point only lends its buffers.

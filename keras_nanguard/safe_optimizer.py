@@ -19,7 +19,12 @@ from keras_nanguard._inner import (
     resolve_inner,
 )
 from keras_nanguard._model_state import ModelStateMixin
-from keras_nanguard._reports import _COUNTERS, _COUNTERS_0_1, ReportsMixin
+from keras_nanguard._reports import (
+    _COUNTERS,
+    _COUNTERS_0_1,
+    _COUNTERS_0_2,
+    ReportsMixin,
+)
 from keras_nanguard._transaction import TransactionMixin, _Plans
 from keras_nanguard._validation import check_in, check_int, check_positive
 
@@ -174,6 +179,8 @@ class SafeOptimizer(
         self.spike_sigma = spike_sigma
         self.spike_window = spike_window
         self._plans = _Plans()
+        # Saved while attached to a model: `apply` warns once when it is not.
+        self._expects_attach = False
         for counter, dtype, initial in _COUNTERS:
             var = self.add_variable(
                 shape=(),
@@ -241,18 +248,26 @@ class SafeOptimizer(
 
     def load_own_variables(self, store: Any) -> None:
         n_inner = len(self.inner_optimizer.variables)
-        if (
-            len(store.keys()) == 2 + _COUNTERS_0_1 + n_inner
-            and np.asarray(store["1"]).dtype.kind == "f"
+        n_window = len(self._variables) - len(_COUNTERS)  # the spike window
+        keys = len(store.keys())
+        layout = None  # (first entry, counters saved) of an older file
+        if keys == 2 + _COUNTERS_0_1 + n_inner and (
+            np.asarray(store["1"]).dtype.kind == "f"
         ):
-            # A file from keras-nanguard 0.1: two dead variables of the base
-            # class (the second a float learning rate, where ours holds an
-            # int counter), its counters, then the inner optimizer's;
-            # counters added since keep their initial values.
-            old = [store[str(i)] for i in range(2, len(store.keys()))]
+            # keras-nanguard 0.1: two dead variables of the base class (the
+            # second a float learning rate, where ours holds an int counter),
+            # its counters, then the inner optimizer's.
+            layout = (2, _COUNTERS_0_1)
+        elif keys == _COUNTERS_0_2 + n_window + n_inner != len(self.variables):
+            layout = (0, _COUNTERS_0_2)  # 0.2: its counters, window, inner
+        if layout is not None:
+            # Counters added since keep their initial values.
+            first, saved = layout
+            old = [store[str(i)] for i in range(first, keys)]
             values = [v.numpy() for v in self._variables]
-            values[:_COUNTERS_0_1] = old[:_COUNTERS_0_1]
-            values += old[_COUNTERS_0_1:]
+            values[:saved] = old[:saved]
+            values[len(_COUNTERS) :] = old[saved : saved + n_window]
+            values += old[saved + n_window :]
             store = {str(i): v for i, v in enumerate(values)}
         super().load_own_variables(store)
 
@@ -329,6 +344,7 @@ class SafeOptimizer(
                 f"Received: len(grads)={len(grads)}, "
                 f"len(trainable_variables)={len(trainable_variables)}"
             )
+        self._check_step_of(trainable_variables)
         self._plans.applied = True
         if keras.backend.backend() == "tensorflow":
             self._tf_apply(grads, trainable_variables)
@@ -343,9 +359,47 @@ class SafeOptimizer(
         ):
             self.check_halted()
 
+    def _check_step_of(self, variables: list[keras.Variable]) -> None:
+        """Refuses, before anything is written, a step inside a transaction
+        that updates variables of another model than the transaction's; warns
+        once about a step outside any transaction when this optimizer was
+        saved attached (a model loaded from `.keras` is not attached)."""
+        model = self._plans.model
+        if model is None:
+            if self._expects_attach and not self._plans.warned_unattached:
+                self._plans.warned_unattached = True
+                warnings.warn(
+                    "This SafeOptimizer was saved attached to its model, but "
+                    "it is not attached now (a model loaded from a `.keras` "
+                    "file is not): a rejected step will still change "
+                    "BatchNormalization statistics, seed state and metrics. "
+                    "Call `optimizer.attach(model)` before `fit` (NaNGuard "
+                    "does it for you), or wrap a custom step in "
+                    "`optimizer.transaction(model)`.",
+                    stacklevel=3,
+                )
+            return
+        key = (id(model), tuple(map(id, variables)))
+        if key in self._plans.trained:
+            return
+        own = {id(v) for v in model.variables}
+        foreign = [v for v in variables if id(v) not in own]
+        if foreign:
+            raise ValueError(
+                "`transaction(model)` guards the state of `model`, but this "
+                "step updates variables that are not `model`'s: a rejected "
+                "step would leave the forward-pass state of the model they "
+                "belong to (BatchNormalization statistics, ...) changed. Use "
+                "`transaction()` with the model being trained. Received: "
+                f"model={model.name!r}, variables such as "
+                f"{foreign[0].path!r}"
+            )
+        self._plans.trained.add(key)
+
     # -------------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
         return {
+            "attached": self._expects_attach or self._plans.attached,
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "clipnorm": self.clipnorm,
@@ -365,7 +419,10 @@ class SafeOptimizer(
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )
-        return cls(inner, **config)
+        attached = config.pop("attached", False)  # not in files of 0.2
+        optimizer = cls(inner, **config)
+        optimizer._expects_attach = bool(attached)
+        return optimizer
 
 
 # ------------------------------------------------------------------ helpers
