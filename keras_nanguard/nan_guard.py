@@ -9,7 +9,7 @@ from typing import Any
 
 import keras
 
-from keras_nanguard import _replay, snapshots
+from keras_nanguard import _replay, _runs, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._loss_spikes import LossSpikes
 from keras_nanguard._messages import Telling
@@ -193,6 +193,10 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         self._spare: snapshots.Snapshot | None = None
         self.snapshots_taken = 0
         self._fits = 0
+        # Its copies (KerasTuner makes one per trial), or what it is a copy of.
+        self.runs: list[NaNGuard] = []
+        self.origin: NaNGuard | None = None
+        self.run_index: int | None = None
 
     # On JAX and torch Keras runs `on_train_batch_end` in worker threads,
     # only when every callback is async-safe. On TensorFlow it stays in line.
@@ -306,6 +310,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
                 snap.epoch = epoch + 1
                 self._pendings.append(snap)
                 self._snapshots.done(snap.seconds)
+        _runs.epoch_end(self, logs)  # a copy KerasTuner runs
         self._tell()
         self._publish(logs)
 
@@ -319,6 +324,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         elif self.snapshot is not None:  # the state is the rollback point's
             self._save(self.snapshot)  # with the learning rate as it is now
         self._write_report()
+        _runs.release(self)
 
     def _act(self, snapshot: bool = True) -> None:
         """The training thread's turn: acts on what the batch ends found,
@@ -356,6 +362,9 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
                 clean = self._watch.leave_out_until <= self._now
             if clean:
                 self._maybe_snapshot(steps, step_seconds)
+
+    def __deepcopy__(self, memo: dict) -> NaNGuard:
+        return _runs.copy_of(self, memo)  # a fresh guard, in `self.runs`
 
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
