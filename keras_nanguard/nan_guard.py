@@ -76,7 +76,9 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     covers its execution's k steps (`incident.steps`), unless `replay` shows
     the bad batch. A model that `fit` builds (no `keras.Input`, on
     TensorFlow) is first snapshotted after its first step, which cannot be
-    rolled back. More in the README.
+    rolled back. A copy (`copy.deepcopy`, as KerasTuner makes one per trial)
+    is a fresh guard kept in `guard.runs`, with its own files. More in the
+    README.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
