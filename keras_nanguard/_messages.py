@@ -45,11 +45,17 @@ class Telling:
         >>> ng.NaNGuard().report()["incidents"]
         []
         """
-        return {
+        out = {
             "policy": self.policy,
             "rollbacks": self.rollbacks,
             "incidents": [i.to_dict() for i in self.incidents],
         }
+        if self.runs:  # its copies' (KerasTuner's trials), one per run
+            out["runs"] = [
+                {"run": r.run_index, "report_path": r.report_path, **r.report()}
+                for r in self.runs
+            ]
+        return out
 
     def summary(self) -> str:
         """The incidents in words, one per line.
@@ -60,17 +66,22 @@ class Telling:
         >>> ng.NaNGuard().summary()
         'NaNGuard: no incidents.'
         """
-        if not self.incidents:
-            return "NaNGuard: no incidents."
-        lines = [
-            f"NaNGuard: {len(self.incidents)} incidents, {self.rollbacks} rollbacks."
-        ]
+        lines = [f"NaNGuard: {_count(self.incidents, self.rollbacks)}."]
+        if self.runs:  # its copies (KerasTuner makes one per trial)
+            total = sum(len(r.incidents) for r in self.runs)
+            lines[0] += f" Its {len(self.runs)} runs: {total} incidents in all."
         lines += [f"  {i}" for i in self.incidents]
+        for run in self.runs:
+            told = run.summary().splitlines()
+            lines.append(f"  run {run.run_index}: {told[0].removeprefix('NaNGuard: ')}")
+            lines += [f"  {line}" for line in told[1:]]
         return "\n".join(lines)
 
     def _write_report(self) -> None:
         if self.report_path is not None:
             write_json(self.report_path, self.report())
+        if self.origin is not None:  # the runs together, in the origin's
+            self.origin._write_report()
 
     def _publish(self, logs: dict) -> None:
         logs["nanguard_incidents"] = len(self.incidents)
@@ -91,6 +102,12 @@ class Telling:
             bar = _say(inc, self.verbose, bar)
         if incidents:
             self._told, self._told_as = len(incidents), incidents[-1].action
+
+
+def _count(incidents: list[Incident], rollbacks: int) -> str:
+    if not incidents:
+        return "no incidents"
+    return f"{len(incidents)} incidents, {rollbacks} rollbacks"
 
 
 def _bar_in_place(params: dict[str, Any] | None) -> bool:

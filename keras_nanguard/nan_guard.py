@@ -9,7 +9,7 @@ from typing import Any
 
 import keras
 
-from keras_nanguard import _replay, snapshots
+from keras_nanguard import _replay, _runs, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._loss_spikes import LossSpikes
 from keras_nanguard._messages import Telling
@@ -76,7 +76,9 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     covers its execution's k steps (`incident.steps`), unless `replay` shows
     the bad batch. A model that `fit` builds (no `keras.Input`, on
     TensorFlow) is first snapshotted after its first step, which cannot be
-    rolled back. More in the README.
+    rolled back. A copy (`copy.deepcopy`, as KerasTuner makes one per trial)
+    is a fresh guard kept in `guard.runs`, with its own files. More in the
+    README.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
@@ -193,6 +195,10 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         self._spare: snapshots.Snapshot | None = None
         self.snapshots_taken = 0
         self._fits = 0
+        # Its copies (KerasTuner makes one per trial), or what it is a copy of.
+        self.runs: list[NaNGuard] = []
+        self.origin: NaNGuard | None = None
+        self.run_index: int | None = None
 
     # On JAX and torch Keras runs `on_train_batch_end` in worker threads,
     # only when every callback is async-safe. On TensorFlow it stays in line.
@@ -307,6 +313,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
                 snap.epoch = epoch + 1
                 self._pendings.append(snap)
                 self._snapshots.done(snap.seconds)
+        _runs.epoch_end(self, logs)  # a copy KerasTuner runs
         self._tell()
         self._publish(logs)
 
@@ -320,6 +327,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         elif self.snapshot is not None:  # the state is the rollback point's
             self._save(self.snapshot)  # with the learning rate as it is now
         self._write_report()
+        _runs.release(self)
 
     def _act(self, snapshot: bool = True) -> None:
         """The training thread's turn: acts on what the batch ends found,
@@ -357,6 +365,9 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
                 clean = self._watch.leave_out_until <= self._now
             if clean:
                 self._maybe_snapshot(steps, step_seconds)
+
+    def __deepcopy__(self, memo: dict) -> NaNGuard:
+        return _runs.copy_of(self, memo)  # a fresh guard, in `self.runs`
 
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
