@@ -24,6 +24,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _step_ops as step_ops
+
 
 def scalers(outer: Any, safe: Any) -> list[keras.optimizers.LossScaleOptimizer]:
     """The `LossScaleOptimizer`s between `outer` (the model's optimizer) and
@@ -86,3 +88,22 @@ def finite_loss(logs: Any) -> Any:
     if not isinstance(logs, dict) or "loss" not in logs:
         return None
     return ops.all(ops.isfinite(ops.convert_to_tensor(logs["loss"])))
+
+
+def settle(optimizer: Any, found: list[Any], before: list[Any], logs: Any) -> Any:
+    """After a step under the loss scalers `found` (their `read_state` in
+    `before`): whether one of them skipped it (bool scalar). A skip with a
+    non-finite loss is bad data: the scalers' state is put back and the
+    `optimizer` (the SafeOptimizer inside) counts a rejected step; with a
+    finite loss it is an overflow, counted apart, and the scalers keep their
+    halved scale."""
+    variables = state(found)
+    before = typed(before, variables)
+    skip = skipped(before, [v.value for v in variables])
+    loss_ok = finite_loss(logs)
+    bad_data = ops.convert_to_tensor(False)
+    if loss_ok is not None:
+        bad_data = ops.logical_and(skip, ops.logical_not(loss_ok))
+    step_ops.restore_unless(ops.logical_not(bad_data), variables, before)
+    optimizer._count_scaler_skip(skip, bad_data)
+    return skip

@@ -1,20 +1,13 @@
-"""The model's side of a whole-model transaction.
-
-The forward pass of a training step writes state of its own before the
-optimizer sees any gradient: BatchNormalization's moving statistics, any
-layer's non-trainable variables, seed-generator state, and on torch the
-buffers of modules inside `keras.layers.TorchModuleWrapper`. A rejected step
-must leave that state as it was too. Here are the pieces SafeOptimizer's
-`attach`, `transaction` and `stateless_commit` are made of: which state, and
-a select that keeps the old values unless the step was accepted (one pass
-over this state, which is small next to the weights; no branch, no host
-read), and `ModelStateMixin`, the public calls themselves.
+"""The model's side of a whole-model transaction: `ModelStateMixin`, the
+public calls of SafeOptimizer that tie it to the model it trains (`attach`,
+`detach`, `transaction`, `stateless_commit`), made of the pieces in
+`_forward_state` and `_loss_scaling`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,104 +16,7 @@ from keras import ops
 
 from keras_nanguard import _loss_scaling as loss_scaling
 from keras_nanguard import _step_ops as step_ops
-
-
-def forward_state(model: keras.Model) -> list[Any]:
-    """The state the forward pass may write: Keras's non-trainable variables
-    (metrics excluded) and, on torch, module buffers Keras does not track."""
-    state: list[Any] = list(model.non_trainable_variables)
-    if keras.backend.backend() == "torch":
-        state += _torch_buffers(model)
-    return state
-
-
-# model -> (what the walk below depends on, its result). The walk costs about
-# 90 µs a step on a 3-layer model; what it finds changes only when a module
-# or a buffer is registered somewhere (torch's global registration hooks
-# count those; the model's rebuilt `Functional` after `Sequential.add` is
-# one) or the model's weights change (it is built).
-_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_registrations = [0]
-
-
-def _count_registration(*args: Any) -> None:
-    _registrations[0] += 1
-
-
-def _torch_buffers(model: keras.Model) -> list[Any]:
-    if not _registrations[0]:  # the first call: from now on, count
-        from torch.nn.modules import module
-
-        module.register_module_module_registration_hook(_count_registration)
-        module.register_module_buffer_registration_hook(_count_registration)
-        _registrations[0] = 1
-    key = (_registrations[0], tuple(map(id, model.weights)))
-    cached = _BUFFERS.get(model)
-    if cached is None or cached[0] != key:
-        cached = _BUFFERS[model] = (key, _walk_buffers(model))
-    return cached[1]
-
-
-def _walk_buffers(model: keras.Model) -> list[Any]:
-    # Every Keras layer is a torch module on this backend, but Sequential and
-    # functional models keep their layers in plain lists that torch does not
-    # see: walk both the Keras layers and the torch submodules, each module
-    # once.
-    found: dict[int, Any] = {}
-    stack, seen = [model], set()
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        for buffer in module.buffers(recurse=False):
-            found.setdefault(id(buffer), buffer)
-        stack.extend(module.children())
-        stack.extend(getattr(module, "layers", None) or [])
-    return list(found.values())
-
-
-def read(state: list[Any]) -> list[Any]:
-    """Values of `state` now, unaffected by the step's later writes."""
-    backend = keras.backend.backend()
-    values = [v.value if isinstance(v, keras.Variable) else v for v in state]
-    if backend == "torch":
-        return [t.detach().clone() for t in values]
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        # Copy-on-write: the buffer is copied only if the step writes it.
-        return [tf.identity(t) for t in values]
-    return values
-
-
-def select(accepted: Any, before: list[Any], after: list[Any]) -> list[Any]:
-    """Stateless: `after` if `accepted`, else `before`, tensor by tensor."""
-    if len(before) != len(after):
-        raise ValueError(
-            "`before` and `after` must hold the same non-trainable variables. "
-            f"Received: len(before)={len(before)}, len(after)={len(after)}"
-        )
-    return [ops.where(accepted, a, b) for b, a in zip(before, after, strict=True)]
-
-
-def build_for(model: keras.Model, data: Any) -> None:
-    """Builds `model` from a batch's shapes if it is not built yet.
-
-    On TensorFlow without a distribution strategy, Keras builds the model
-    while it traces the first training step, after the state to keep must be
-    known; building it symbolically first creates that state, with no
-    computation in the step.
-    """
-    if model.built:
-        return
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    spec = keras.tree.map_structure(
-        lambda t: keras.KerasTensor(t.shape, keras.backend.standardize_dtype(t.dtype)),
-        x,
-    )
-    model.compute_output_spec(spec)
-    model.built = True
+from keras_nanguard._forward_state import build_for, forward_state, read, select
 
 
 class ModelStateMixin:
@@ -139,8 +35,13 @@ class ModelStateMixin:
         Keras does not tell an optimizer which model it trains; this call
         does, by wrapping the model's `train_step` (its public override
         point) in a transaction. Call it once, before or after `compile`;
-        `NaNGuard` calls it for you. The model must be compiled with this
-        optimizer (or a `LossScaleOptimizer` around it) when it trains.
+        `NaNGuard` calls it for you. While the model is compiled with this
+        optimizer (or a `LossScaleOptimizer` around it, as `compile` makes
+        under `mixed_float16`) its steps are guarded; compiled with another,
+        they are the plain ones; `detach` undoes it. A step the loss scaler
+        skips is rejected too: a non-finite loss is a bad batch (counted as
+        a non-finite gradient, the loss scale kept), a finite one an
+        overflow (`loss_scale_steps`, the scale halved as usual).
 
         Args:
             model: the `keras.Model` this optimizer trains.
@@ -261,8 +162,8 @@ class ModelStateMixin:
             if found:
                 mapping = list(zip(variables, optimizer_values, strict=True))
                 with keras.StatelessScope(state_mapping=mapping) as scope:
-                    skipped = self._settle_scalers(
-                        found, _values_of(state[2], variables, found), logs
+                    skipped = loss_scaling.settle(
+                        self, found, _values_of(state[2], variables, found), logs
                     )
                 optimizer_values = [scope.get_current_value(v) for v in variables]
                 accepted = ops.logical_and(accepted, ops.logical_not(skipped))
@@ -275,23 +176,6 @@ class ModelStateMixin:
             return logs, (trainable, non_trainable, optimizer_values, metrics)
 
         return train_step
-
-    def _settle_scalers(self, found: list[Any], before: list[Any], logs: Any) -> Any:
-        """After a step under loss scalers: whether one of them skipped it.
-        A skip with a non-finite loss is bad data: the scalers' state is put
-        back and the step counted as a rejected one; with a finite loss it is
-        an overflow of the scaled gradients, counted apart, and the scalers
-        keep their halved scale (see `_loss_scaling`)."""
-        variables = loss_scaling.state(found)
-        before = loss_scaling.typed(before, variables)
-        skipped = loss_scaling.skipped(before, [v.value for v in variables])
-        loss_ok = loss_scaling.finite_loss(logs)
-        bad_data = ops.convert_to_tensor(False)
-        if loss_ok is not None:
-            bad_data = ops.logical_and(skipped, ops.logical_not(loss_ok))
-        step_ops.restore_unless(ops.logical_not(bad_data), variables, before)
-        self._count_scaler_skip(skipped, bad_data)
-        return skipped
 
     def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
         """A custom training step as a whole-model transaction (TensorFlow,
@@ -354,7 +238,7 @@ class ModelStateMixin:
             )
         accepted = self.consecutive_skips.value == 0
         if found:  # a loss scaler may have skipped the step without us
-            skipped = self._settle_scalers(found, scalers_before, step.logs)
+            skipped = loss_scaling.settle(self, found, scalers_before, step.logs)
             accepted = ops.logical_and(accepted, ops.logical_not(skipped))
         step_ops.restore_unless(accepted, state, before)
 
@@ -433,6 +317,43 @@ class ModelStateMixin:
             )
         index = [id(v) for v in variables].index(id(self.consecutive_skips))
         return values[index] == 0
+
+    def _check_step_of(self, variables: list[keras.Variable]) -> None:
+        """Refuses, before anything is written, a step inside a transaction
+        that updates variables of another model than the transaction's; warns
+        once about a step outside any transaction when this optimizer was
+        saved attached (a model loaded from `.keras` is not attached)."""
+        model = self._plans.model
+        if model is None:
+            if self._expects_attach and not self._plans.warned_unattached:
+                self._plans.warned_unattached = True
+                warnings.warn(
+                    "This SafeOptimizer was saved attached to its model, but "
+                    "it is not attached now (a model loaded from a `.keras` "
+                    "file is not): a rejected step will still change "
+                    "BatchNormalization statistics, seed state and metrics. "
+                    "Call `optimizer.attach(model)` before `fit` (NaNGuard "
+                    "does it for you), or wrap a custom step in "
+                    "`optimizer.transaction(model)`.",
+                    stacklevel=3,
+                )
+            return
+        key = (id(model), tuple(map(id, variables)))
+        if key in self._plans.trained:
+            return
+        own = {id(v) for v in model.variables}
+        foreign = [v for v in variables if id(v) not in own]
+        if foreign:
+            raise ValueError(
+                "`transaction(model)` guards the state of `model`, but this "
+                "step updates variables that are not `model`'s: a rejected "
+                "step would leave the forward-pass state of the model they "
+                "belong to (BatchNormalization statistics, ...) changed. Use "
+                "`transaction()` with the model being trained. Received: "
+                f"model={model.name!r}, variables such as "
+                f"{foreign[0].path!r}"
+            )
+        self._plans.trained.add(key)
 
     def _check_is_optimizer_of(self, model: keras.Model) -> None:
         optimizer = getattr(model, "optimizer", None)

@@ -35,11 +35,7 @@ _COUNTERS = (
     ("spike_steps", "int32", 0),
     ("loss_scale_steps", "int32", 0),
 )
-# keras-nanguard 0.1 saved these counters, after two variables of the base
-# class that are no longer state.
-_COUNTERS_0_1 = 11
-# keras-nanguard 0.2 saved the first 13, then the spike window if any.
-_COUNTERS_0_2 = 13
+# Files of earlier versions have fewer counters: see `_layouts`.
 # Counters that are history (NaNGuard keeps them through a rollback); the
 # others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
 _HISTORY = (

@@ -10,6 +10,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard import _layouts as layouts
 from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
 from keras_nanguard._inner import (
@@ -19,12 +20,7 @@ from keras_nanguard._inner import (
     resolve_inner,
 )
 from keras_nanguard._model_state import ModelStateMixin
-from keras_nanguard._reports import (
-    _COUNTERS,
-    _COUNTERS_0_1,
-    _COUNTERS_0_2,
-    ReportsMixin,
-)
+from keras_nanguard._reports import _COUNTERS, ReportsMixin
 from keras_nanguard._transaction import TransactionMixin, _Plans
 from keras_nanguard._validation import check_in, check_int, check_positive
 
@@ -58,7 +54,10 @@ class SafeOptimizer(
     `nonfinite_gradient_steps`, `nonfinite_update_steps`, `spike_steps`,
     `clipped_steps` (0 with gradient accumulation, where the inner optimizer
     clips), `last_grad_norm`, `rejected_grad_norm`, `accepted_grad_norm`,
-    `lr_scale`, and `last_rejection` (0 never, 1 gradient, 2 update, 3 spike;
+    `lr_scale`, `loss_scale_steps` (steps a `LossScaleOptimizer` around it
+    skipped for an overflow: mixed precision, see `attach`), and
+    `last_rejection` (0 never, 1 gradient, 2 update, 3 spike, 4 loss-scale
+    overflow, 5 non-finite loss under a loss scaler;
     in words with `describe_last_rejection()`, which names the first variable
     involved: `last_nonfinite_index` counts the model's trainable variables,
     then the inner optimizer's).
@@ -247,29 +246,15 @@ class SafeOptimizer(
             variable.assign(weight)
 
     def load_own_variables(self, store: Any) -> None:
-        n_inner = len(self.inner_optimizer.variables)
-        n_window = len(self._variables) - len(_COUNTERS)  # the spike window
-        keys = len(store.keys())
-        layout = None  # (first entry, counters saved) of an older file
-        if keys == 2 + _COUNTERS_0_1 + n_inner and (
-            np.asarray(store["1"]).dtype.kind == "f"
-        ):
-            # keras-nanguard 0.1: two dead variables of the base class (the
-            # second a float learning rate, where ours holds an int counter),
-            # its counters, then the inner optimizer's.
-            layout = (2, _COUNTERS_0_1)
-        elif keys == _COUNTERS_0_2 + n_window + n_inner != len(self.variables):
-            layout = (0, _COUNTERS_0_2)  # 0.2: its counters, window, inner
-        if layout is not None:
-            # Counters added since keep their initial values.
-            first, saved = layout
-            old = [store[str(i)] for i in range(first, keys)]
-            values = [v.numpy() for v in self._variables]
-            values[:saved] = old[:saved]
-            values[len(_COUNTERS) :] = old[saved : saved + n_window]
-            values += old[saved + n_window :]
-            store = {str(i): v for i, v in enumerate(values)}
-        super().load_own_variables(store)
+        super().load_own_variables(
+            layouts.upgrade(
+                store,
+                counters=len(_COUNTERS),
+                window=len(self._variables) - len(_COUNTERS),
+                inner=len(self.inner_optimizer.variables),
+                initial=[v.numpy() for v in self._variables],
+            )
+        )
 
     def exclude_from_weight_decay(
         self,
@@ -358,43 +343,6 @@ class SafeOptimizer(
             and step_ops.executing_eagerly(self.consecutive_skips)
         ):
             self.check_halted()
-
-    def _check_step_of(self, variables: list[keras.Variable]) -> None:
-        """Refuses, before anything is written, a step inside a transaction
-        that updates variables of another model than the transaction's; warns
-        once about a step outside any transaction when this optimizer was
-        saved attached (a model loaded from `.keras` is not attached)."""
-        model = self._plans.model
-        if model is None:
-            if self._expects_attach and not self._plans.warned_unattached:
-                self._plans.warned_unattached = True
-                warnings.warn(
-                    "This SafeOptimizer was saved attached to its model, but "
-                    "it is not attached now (a model loaded from a `.keras` "
-                    "file is not): a rejected step will still change "
-                    "BatchNormalization statistics, seed state and metrics. "
-                    "Call `optimizer.attach(model)` before `fit` (NaNGuard "
-                    "does it for you), or wrap a custom step in "
-                    "`optimizer.transaction(model)`.",
-                    stacklevel=3,
-                )
-            return
-        key = (id(model), tuple(map(id, variables)))
-        if key in self._plans.trained:
-            return
-        own = {id(v) for v in model.variables}
-        foreign = [v for v in variables if id(v) not in own]
-        if foreign:
-            raise ValueError(
-                "`transaction(model)` guards the state of `model`, but this "
-                "step updates variables that are not `model`'s: a rejected "
-                "step would leave the forward-pass state of the model they "
-                "belong to (BatchNormalization statistics, ...) changed. Use "
-                "`transaction()` with the model being trained. Received: "
-                f"model={model.name!r}, variables such as "
-                f"{foreign[0].path!r}"
-            )
-        self._plans.trained.add(key)
 
     # -------------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
