@@ -304,6 +304,7 @@ class ModelStateMixin:
         logs.update({k: v for k, v in fresh.items() if k in logs})
         logs["nanguard_grad_norm"] = self.accepted_grad_norm.value
         logs["nanguard_rejected_steps"] = self.skipped_steps.value
+        logs["nanguard_recent_rejections"] = self.recent_rejections.value
         if self.lr_backoff is not None:
             logs["nanguard_lr_scale"] = self.lr_scale.value
         if self.spike_sigma is not None:

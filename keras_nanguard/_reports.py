@@ -26,10 +26,15 @@ _COUNTERS = (
     ("consecutive_accepts", "int32", 0),
     ("accepted_grad_norm", "float32", 0.0),
     ("spike_steps", "int32", 0),
+    ("recent_rejections", "int32", 0),
 )
 # keras-nanguard 0.1 saved these counters, after two variables of the base
-# class that are no longer state.
+# class that are no longer state; 0.2 saved the first 13, without
+# `recent_rejections`. New counters go last, so that old files still load.
 _COUNTERS_0_1 = 11
+_COUNTERS_0_2 = 13
+# `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
+RECENT_STEPS = 30
 # Counters that are history (NaNGuard keeps them through a rollback); the
 # others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
 _HISTORY = (
@@ -42,6 +47,7 @@ _HISTORY = (
     "rejected_grad_norm",
     "last_rejection",
     "last_nonfinite_index",
+    "recent_rejections",
 )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras import ops
 
 from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
@@ -19,7 +20,12 @@ from keras_nanguard._inner import (
     resolve_inner,
 )
 from keras_nanguard._model_state import ModelStateMixin
-from keras_nanguard._reports import _COUNTERS, _COUNTERS_0_1, ReportsMixin
+from keras_nanguard._reports import (
+    _COUNTERS,
+    _COUNTERS_0_1,
+    _COUNTERS_0_2,
+    ReportsMixin,
+)
 from keras_nanguard._transaction import TransactionMixin, _Plans
 from keras_nanguard._validation import check_in, check_int, check_positive
 
@@ -53,7 +59,11 @@ class SafeOptimizer(
     `nonfinite_gradient_steps`, `nonfinite_update_steps`, `spike_steps`,
     `clipped_steps` (0 with gradient accumulation, where the inner optimizer
     clips), `last_grad_norm`, `rejected_grad_norm`, `accepted_grad_norm`,
-    `lr_scale`, and `last_rejection` (0 never, 1 gradient, 2 update, 3 spike;
+    `lr_scale`, `recent_rejections` (the last 30 steps as an int32 bit mask,
+    bit 0 the latest step, 1 where it was rejected: after accept, reject,
+    reject, accept it is `0b0110`; with `steps_per_execution` it tells which
+    steps of an execution were rejected), and `last_rejection` (0 never,
+    1 gradient, 2 update, 3 spike;
     in words with `describe_last_rejection()`, which names the first variable
     involved: `last_nonfinite_index` counts the model's trainable variables,
     then the inner optimizer's).
@@ -241,20 +251,36 @@ class SafeOptimizer(
 
     def load_own_variables(self, store: Any) -> None:
         n_inner = len(self.inner_optimizer.variables)
+        n_saved = len(store.keys())
         if (
-            len(store.keys()) == 2 + _COUNTERS_0_1 + n_inner
+            n_saved == 2 + _COUNTERS_0_1 + n_inner
             and np.asarray(store["1"]).dtype.kind == "f"
         ):
             # A file from keras-nanguard 0.1: two dead variables of the base
             # class (the second a float learning rate, where ours holds an
-            # int counter), its counters, then the inner optimizer's;
-            # counters added since keep their initial values.
-            old = [store[str(i)] for i in range(2, len(store.keys()))]
-            values = [v.numpy() for v in self._variables]
-            values[:_COUNTERS_0_1] = old[:_COUNTERS_0_1]
-            values += old[_COUNTERS_0_1:]
-            store = {str(i): v for i, v in enumerate(values)}
+            # int counter), its counters, then the inner optimizer's (no
+            # spike window then).
+            old = [store[str(i)] for i in range(2, n_saved)]
+            store = self._saved_layout(old, _COUNTERS_0_1, window_saved=False)
+        elif n_saved == len(self.variables) - (len(_COUNTERS) - _COUNTERS_0_2):
+            # A file from keras-nanguard 0.2: its counters, the spike
+            # window if any, then the inner optimizer's.
+            old = [store[str(i)] for i in range(n_saved)]
+            store = self._saved_layout(old, _COUNTERS_0_2, window_saved=True)
         super().load_own_variables(store)
+
+    def _saved_layout(
+        self, old: list, n_counters: int, window_saved: bool
+    ) -> dict[str, Any]:
+        """`old`, a file's counters (the first `n_counters` of ours), its
+        spike window if `window_saved`, then the inner optimizer's, in
+        today's layout: what the file lacks keeps its initial value."""
+        ours = [ops.convert_to_numpy(v) for v in self._variables]
+        values = old[:n_counters] + ours[n_counters : len(_COUNTERS)]
+        if not window_saved:
+            values += ours[len(_COUNTERS) :]
+        values += old[n_counters:]
+        return {str(i): v for i, v in enumerate(values)}
 
     def exclude_from_weight_decay(
         self,
