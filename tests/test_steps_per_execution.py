@@ -141,8 +141,7 @@ def test_rejected_steps_in_different_executions_are_separate_incidents():
 
 
 # ------------- finding 10e: a run of rejected steps across two executions
-@spe
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [1, pytest.param(4, marks=spe)])
 def test_a_run_across_executions_is_trouble(k):
     model = _model(k)
     guard = ng.NaNGuard(verbose=0, max_rejections=3)
@@ -209,7 +208,14 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     assert new == 13
     assert_bit_identical(saved[:13], numpy(opt.variables[:13]), "counters")
     assert int(opt.recent_rejections) == 0
-    assert_bit_identical(saved[13:], numpy(opt.variables[14:]), "window, Adam")
+    # Adam's `iterations` is int32 in the JAX-made file, int64 on TensorFlow
+    # and torch: the same value in the backend's dtype.
+    loaded = numpy(opt.variables[14:])
+    saved = [
+        s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
+        for s, v in zip(saved[13:], loaded, strict=True)
+    ]
+    assert_bit_identical(saved, loaded, "window, Adam")
     before = opt.counters()
     assert (before["skipped_steps"], int(opt.iterations)) == (1, 7)
     # It trains on: 8 batches of 8, the third with a NaN.
