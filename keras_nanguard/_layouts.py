@@ -27,15 +27,15 @@ def upgrade(
     keys = len(store.keys())
     if keys == 2 + COUNTERS_0_1 + inner and np.asarray(store["1"]).dtype.kind == "f":
         # 0.1: the second dead variable is a float learning rate, where
-        # today's second entry is an int counter.
-        first, saved = 2, COUNTERS_0_1
+        # today's second entry is an int counter; no spike window then.
+        first, saved, saved_window = 2, COUNTERS_0_1, 0
     elif keys == COUNTERS_0_2 + window + inner != counters + window + inner:
-        first, saved = 0, COUNTERS_0_2
+        first, saved, saved_window = 0, COUNTERS_0_2, window
     else:
         return store  # today's layout (or a mismatch Keras reports)
     old = [store[str(i)] for i in range(first, keys)]
     values = list(initial)
     values[:saved] = old[:saved]
-    values[counters:] = old[saved : saved + window]
-    values += old[saved + window :]
+    values[counters : counters + saved_window] = old[saved : saved + saved_window]
+    values += old[saved + saved_window :]
     return {str(i): v for i, v in enumerate(values)}

@@ -289,6 +289,8 @@ class ModelStateMixin:
             "nanguard_grad_norm": self.accepted_grad_norm,
             "nanguard_rejected_steps": self.skipped_steps,
         }
+        if getattr(model, "steps_per_execution", 1) > 1:  # which steps, for NaNGuard
+            figures["nanguard_recent_rejections"] = self.recent_rejections
         if self.lr_backoff is not None:
             figures["nanguard_lr_scale"] = self.lr_scale
         if self.spike_sigma is not None:

@@ -34,8 +34,12 @@ _COUNTERS = (
     ("accepted_grad_norm", "float32", 0.0),
     ("spike_steps", "int32", 0),
     ("loss_scale_steps", "int32", 0),
+    ("recent_rejections", "int32", 0),
 )
-# Files of earlier versions have fewer counters: see `_layouts`.
+# Files of earlier versions have fewer counters (new counters go last, so
+# that they still load): see `_layouts`.
+# `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
+RECENT_STEPS = 30
 # Counters that are history (NaNGuard keeps them through a rollback); the
 # others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
 _HISTORY = (
@@ -49,6 +53,7 @@ _HISTORY = (
     "rejected_grad_norm",
     "last_rejection",
     "last_nonfinite_index",
+    "recent_rejections",
 )
 
 

@@ -78,24 +78,37 @@ class Responses:
             safe.max_consecutive_skips is not None
             and ev.run >= safe.max_consecutive_skips
         )
-        if not self._extend(ev, "halted" if halted else None):
+        if self._extend(ev, "halted" if halted else None):
+            self._count_rejections(ev.rejections)
+        else:
             snapshots.sync_from_device(self._net)
             c = safe.counters()
-            last = ev.step + ev.steps - 1
-            plural = "s" if ev.rejections > 1 else ""
-            when = "" if ev.step >= last else f" in steps {ev.step}-{last}"
-            detail = (
-                f"SafeOptimizer rejected {ev.rejections} step{plural}{when}: "
-                f"{safe.describe_last_rejection()}; nothing was applied."
-            )
+            words = _rejected(ev.rejections, ev.step, ev.steps)
+            detail = f"{words}: {safe.describe_last_rejection()}; nothing was applied."
             if ev.bad_logs:
                 detail = _describe_logs(ev.logs, ev.bad_logs) + " " + detail
             kind = "halted" if halted else "rejected_step"
             self._record(ev, kind, detail, [], grad_norm=c["rejected_grad_norm"])
+            self._rejections = (self._open, ev.rejections, words)
         if (halted or ev.run >= self.max_rejections) and ev.step >= self._resumed_at:
             self._trouble()
 
     # ------------------------------------------------------------ incidents
+    # The open incident's rejected steps, and the words that count them in
+    # its detail: (incident, count, words).
+    _rejections: tuple[Incident | None, int, str] = (None, 0, "")
+
+    def _count_rejections(self, more: int) -> None:
+        """Counts `more` rejected steps in the open incident, in its detail
+        too: the count there is the incident's, not its first event's."""
+        inc, count, words = self._rejections
+        if inc is None or inc is not self._open:  # it did not begin rejected
+            return
+        count += more
+        new = _rejected(count, inc.step, inc.steps)
+        inc.detail = inc.detail.replace(words, new, 1)
+        self._rejections = (inc, count, new)
+
     def _extend(self, ev: Event, kind: str | None = None) -> bool:
         """Adds `ev` to the open incident if it continues its episode."""
         inc = self._open
@@ -366,6 +379,14 @@ class Responses:
                 run=c["consecutive_skips"],
             )
             self._on_rejection(ev)
+
+
+def _rejected(count: int, step: int, steps: int) -> str:
+    """'SafeOptimizer rejected 2 steps in steps 3-4', of an incident's (or an
+    event's) `steps` steps from `step`."""
+    last = step + steps - 1
+    when = "" if step >= last else f" in steps {step}-{last}"
+    return f"SafeOptimizer rejected {count} step{'s' if count > 1 else ''}{when}"
 
 
 def _describe_logs(logs: dict[str, Any], bad: list[str]) -> str:

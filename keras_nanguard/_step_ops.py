@@ -21,6 +21,13 @@ def first_false(flags: Any) -> Any:
     return ops.argmin(ops.cast(flags, "int32"))
 
 
+def shift_in(history: Any, bit: Any, width: int) -> Any:
+    """`history`, a bit mask of the last `width` outcomes (bit 0 the latest,
+    `width` <= 31), with `bit` shifted in: the oldest is dropped before the
+    shift, so the int32 never overflows."""
+    return ops.bitwise_and(history, (1 << (width - 1)) - 1) * 2 + bit
+
+
 def scale(g: Any, factor: Any) -> Any:
     if hasattr(g, "indices") and hasattr(g, "dense_shape"):  # tf.IndexedSlices
         return type(g)(

@@ -19,6 +19,7 @@ from keras import ops
 from keras_nanguard import _kernels as kernels
 from keras_nanguard import _spikes as spikes
 from keras_nanguard import _step_ops as step_ops
+from keras_nanguard._reports import RECENT_STEPS
 
 
 class _Plan(NamedTuple):
@@ -213,6 +214,9 @@ class TransactionMixin:
         bad_update = ops.logical_and(grads_ok, ~update_ok)
         norm = ops.cast(norm, "float32")
         self.skipped_steps.assign(self.skipped_steps.value + i32(~ok))
+        self.recent_rejections.assign(
+            step_ops.shift_in(self.recent_rejections.value, i32(~ok), RECENT_STEPS)
+        )
         self.consecutive_skips.assign(
             ops.where(ok, 0, self.consecutive_skips.value + 1)
         )
@@ -273,6 +277,17 @@ class TransactionMixin:
             self.nonfinite_gradient_steps.value + i32(bad_data)
         )
         self.consecutive_skips.assign(self.consecutive_skips.value + i32(bad_data))
+        # This optimizer's own step did not run to shift its outcome in: a
+        # bad batch is a rejected step there, an overflow is not.
+        self.recent_rejections.assign(
+            ops.where(
+                skipped,
+                step_ops.shift_in(
+                    self.recent_rejections.value, i32(bad_data), RECENT_STEPS
+                ),
+                self.recent_rejections.value,
+            )
+        )
         reason = ops.where(bad_data, 5, ops.where(overflow, 4, 0))
         self.last_rejection.assign(
             ops.where(skipped, reason, self.last_rejection.value)

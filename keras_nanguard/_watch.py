@@ -15,30 +15,42 @@ import bisect
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
 from keras_nanguard._loss_spikes import LossSpikes, Spike
+from keras_nanguard._reports import RECENT_STEPS
 
 REJECTED = "nanguard_rejected_steps"
 OVERFLOWS = "nanguard_loss_scale_steps"
+RECENT = "nanguard_recent_rejections"
 
 
 @dataclasses.dataclass
 class Event:
-    """A batch (an execution) that needs the training thread's attention."""
+    """Steps of an execution that need the training thread's attention: a
+    run of rejected steps, or the whole execution."""
 
     kind: str  # "bad_figures", "rejection" or "loss_spike"
     epoch: int
-    batch: int  # the execution's first batch in the epoch
+    batch: int  # its first batch in the epoch
     step: int  # its first step in this fit
     steps: int
     logs: dict[str, Any]
     bad_logs: list[str]
     rejections: int = 0
-    run: int = 0  # steps rejected in a row, up to this one
-    continues: bool = False  # the execution before was bad too
+    run: int = 0  # steps rejected in a row, up to its last one
+    continues: bool = False  # the step before was bad too
     spike: Spike | None = None  # what a "loss_spike" event found
+
+
+class _Run(NamedTuple):
+    """Rejected steps of one execution, `offset`.. `offset + steps - 1`."""
+
+    offset: int
+    steps: int
+    rejections: int
+    run: int  # steps rejected in a row, up to the last of them
 
 
 class BatchWatch:
@@ -97,9 +109,8 @@ class BatchWatch:
         new, overflows = self._rejections(logs)
         if self.run_reset_at is not None and step >= self.run_reset_at:
             self.run, self.run_reset_at = 0, None
-        # Overflow skips neither extend nor break a streak, as on the device.
-        real = new - overflows
-        self.run = self.run + real if new == steps else real
+        # Overflow skips of a loss scaler are not trouble: the mask has 0 there.
+        runs = self._runs(logs.get(RECENT), steps, new - overflows)
         # A tainted figure's running mean holds a batch already left out.
         tainted = self.figures.tainted
         bad_logs = sorted(
@@ -117,28 +128,82 @@ class BatchWatch:
         loss = None  # the execution's own loss, for the loss-spike detector
         if self.spikes is not None:
             loss = self.spikes.batch_loss(raw, before, counted)
-        if not (bad_logs or real):
+        if not (bad_logs or runs):
             self._bad_before = False
             if step >= self.leave_out_until and not self._spiking(loss, step, steps):
                 self.healthy_step = step
             return
-        self.events.append(
-            Event(
-                "rejection" if real else "bad_figures",
-                self.epoch,
-                first,
-                step,
-                steps,
-                seen,
-                bad_logs,
-                rejections=real,
-                run=self.run,
-                continues=self._bad_before,
-            )
-        )
-        self._bad_before = True
+        self._queue(first, steps, runs, seen, bad_logs)
         if bad_loss and not self.counts_rejections:  # the weights may be bad
             self.leave_out_until = math.inf
+
+    def _queue(
+        self,
+        first: int,
+        steps: int,
+        runs: list[_Run],
+        seen: dict[str, Any],
+        bad_logs: list[str],
+    ) -> None:
+        """An event per run of rejected steps of the execution that begins
+        at batch `first`; the bad figures, of the whole execution, go with
+        its last event (or make one of their own)."""
+        if not runs:
+            runs = [_Run(0, steps, 0, self.run)]
+        end = 0  # where the run before ended
+        for i, r in enumerate(runs):
+            self.events.append(
+                Event(
+                    "rejection" if r.rejections else "bad_figures",
+                    self.epoch,
+                    first + r.offset,
+                    self.base + first + r.offset,
+                    r.steps,
+                    seen,
+                    bad_logs if i == len(runs) - 1 else [],
+                    rejections=r.rejections,
+                    run=r.run,
+                    continues=self._bad_before if r.offset == 0 else r.offset == end,
+                )
+            )
+            end = r.offset + r.steps
+        self._bad_before = bool(bad_logs) or end == steps
+
+    def _runs(self, mask: Any, steps: int, new: int) -> list[_Run]:
+        """The execution's runs of rejected steps, from SafeOptimizer's
+        `recent_rejections` (its last `RECENT_STEPS` steps, bit 0 the
+        latest), and `self.run` after its last step. Steps it does not cover
+        (no mask, a longer execution) are taken as one run, its rejections
+        at its end: a guess, as their order is not known."""
+        known = bits = 0
+        if mask is not None:
+            known = min(steps, RECENT_STEPS)
+            bits = int(mask) & ((1 << known) - 1)
+            unknown = new - bin(bits).count("1")
+            if not 0 <= unknown <= steps - known:  # not this execution's bits
+                known = unknown = 0
+        if not known:
+            unknown = new
+        runs: list[_Run] = []
+        if unknown > 0:
+            guessed = steps - known
+            self.run = self.run + guessed if unknown == guessed else unknown
+            runs.append(_Run(0, guessed, unknown, self.run))
+        elif steps > known:
+            self.run = 0
+        for offset in range(steps - known, steps):
+            if not (bits >> (steps - 1 - offset)) & 1:
+                self.run = 0
+                continue
+            self.run += 1
+            if runs and runs[-1].offset + runs[-1].steps == offset:  # goes on
+                last = runs.pop()
+                runs.append(
+                    _Run(last.offset, last.steps + 1, last.rejections + 1, self.run)
+                )
+            else:
+                runs.append(_Run(offset, 1, 1, self.run))
+        return runs
 
     def _rejections(self, logs: dict) -> tuple[int, int]:
         """The steps an attached SafeOptimizer rejected since the last logs,

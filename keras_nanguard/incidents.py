@@ -21,8 +21,10 @@ class Incident:
     `step` is the 0-based step of this `fit` where it began, `batch` that
     step's batch in the epoch (-1 when found at the end of an epoch), and
     `steps` how many steps it covers. With `steps_per_execution=k`, Keras
-    reports on k steps at once: an incident covers the whole execution,
-    from its first step, unless the replayed data shows which batch was bad.
+    reports on k steps at once: rejected steps are still known one by one
+    (SafeOptimizer's `recent_rejections`, k <= 30), but an incident found in
+    the loss or metrics covers the whole execution, from its first step,
+    unless the replayed data shows which batch was bad.
     `kind` is one of `"rejected_step"` (a SafeOptimizer refused the update),
     `"halted"` (it stopped accepting any), `"nonfinite_loss"`,
     `"nonfinite_metric"` (a metric is NaN or inf, the loss is finite),

@@ -72,13 +72,15 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     On JAX and PyTorch NaNGuard is asynchronous (`async_safe`): its batch
     ends only read the logs, in Keras's worker thread, and it acts on the
     training thread at most two executions later; on TensorFlow at the
-    batch's end. With `steps_per_execution=k` (not on PyTorch) an incident
-    covers its execution's k steps (`incident.steps`), unless `replay` shows
-    the bad batch. A model that `fit` builds (no `keras.Input`, on
-    TensorFlow) is first snapshotted after its first step, which cannot be
-    rolled back. A copy (`copy.deepcopy`, as KerasTuner makes one per trial)
-    is a fresh guard kept in `guard.runs`, with its own files. More in the
-    README.
+    batch's end. With `steps_per_execution=k` (not on PyTorch, k <= 30) a
+    SafeOptimizer's logs say which steps of an execution it rejected: the
+    incidents and the steps rejected in a row are those of k=1; an incident
+    found in the figures covers its execution's k steps (`incident.steps`),
+    unless `replay` shows the bad batch. A model that `fit` builds (no
+    `keras.Input`, on TensorFlow) is first snapshotted after its first step,
+    which cannot be rolled back. A copy (`copy.deepcopy`, as KerasTuner makes
+    one per trial) is a fresh guard kept in `guard.runs`, with its own files.
+    More in the README.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to

@@ -55,9 +55,13 @@ class SafeOptimizer(
     `clipped_steps` (0 with gradient accumulation, where the inner optimizer
     clips), `last_grad_norm`, `rejected_grad_norm`, `accepted_grad_norm`,
     `lr_scale`, `loss_scale_steps` (steps a `LossScaleOptimizer` around it
-    skipped for an overflow: mixed precision, see `attach`), and
-    `last_rejection` (0 never, 1 gradient, 2 update, 3 spike, 4 loss-scale
-    overflow, 5 non-finite loss under a loss scaler;
+    skipped for an overflow: mixed precision, see `attach`),
+    `recent_rejections` (the last 30 steps as an int32 bit mask,
+    bit 0 the latest step, 1 where it was rejected: after accept, reject,
+    reject, accept it is `0b0110`; with `steps_per_execution` it tells which
+    steps of an execution were rejected), and `last_rejection` (0 never,
+    1 gradient, 2 update, 3 spike, 4 loss-scale overflow, 5 non-finite loss
+    under a loss scaler;
     in words with `describe_last_rejection()`, which names the first variable
     involved: `last_nonfinite_index` counts the model's trainable variables,
     then the inner optimizer's).
