@@ -86,12 +86,20 @@ def diagnose_batch(inc: Incident, model: keras.Model) -> None:
 
 
 def write_json(path: str, report: dict[str, Any]) -> None:
-    """Writes `report` to `path` atomically (a temporary file, then a rename)."""
+    """Writes `report` to `path` atomically (a temporary file, then a rename).
+
+    On any error the temporary file is removed and `path` is left as it was.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2, default=_json_default)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _json_default(value: Any) -> Any:
