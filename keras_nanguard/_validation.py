@@ -143,6 +143,25 @@ def check_not_a_file(name: str, path: str | None) -> str | None:
     return path
 
 
+def check_output_paths(
+    directory: Any, report_path: Any, writable: bool = False
+) -> tuple[str | None, str | None]:
+    """NaNGuard's `directory` and `report_path` as `str` (or None), if the
+    first is not an existing file and the second not an existing directory;
+    with `writable`, once they can be written (`directory` is created)."""
+    directory = check_not_a_file(
+        "directory", check_path("directory", directory, allow_none=True)
+    )
+    report_path = check_not_a_directory(
+        "report_path", check_path("report_path", report_path, allow_none=True)
+    )
+    if writable and directory is not None:
+        check_writable(directory, "directory")
+    if writable and report_path is not None:
+        check_writable(os.path.dirname(os.path.abspath(report_path)), "report_path")
+    return directory, report_path
+
+
 def check_writable(directory: str, name: str) -> None:
     """Creates `directory` if needed and checks that a file can be made in it."""
     try:
