@@ -107,3 +107,16 @@ def nonfinite(value: Any) -> bool:
 def is_loss(key: str) -> bool:
     """Whether a log key is a loss (`loss`, or an output's `..._loss`)."""
     return key == "loss" or key.endswith("_loss")
+
+
+def nonfinite_validation(logs: dict[str, Any]) -> str | None:
+    """The detail of a `nonfinite_validation` incident: the epoch's
+    non-finite `val_` figures, with the weights finite; `None` if none."""
+    bad = sorted(k for k, v in logs.items() if k.startswith("val_") and nonfinite(v))
+    if not bad:
+        return None
+    shown = ", ".join(f"{k}={logs[k]}" for k in bad)
+    return (
+        f"non-finite {shown} at the end of the epoch. The weights are finite: "
+        "the validation data or the model's outputs on it are not."
+    )

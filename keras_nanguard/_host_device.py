@@ -78,3 +78,14 @@ def device_room(variables: list[keras.Variable]) -> bool:
         return need < free - stats["bytes_limit"] // 4
     except Exception:  # no figures: the host is the safe place
         return False
+
+
+def held_value(v: keras.Variable) -> Any:
+    """The value of `v` now, on its device, that later assigns to `v` leave
+    as it is (to put it back after them)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return v.value  # immutable: an assign makes a new array
+    if backend == "torch":
+        return v.value.detach().clone()  # an assign copies in place
+    return v.value.read_value()  # TensorFlow copies on write

@@ -135,11 +135,16 @@ def _say(inc: Incident, verbose: int, bar: bool) -> bool:
     return False
 
 
+def warn(message: str) -> None:
+    """A `UserWarning` that points at the code that called `fit`."""
+    warnings.warn(message, stacklevel=_outside())
+
+
 def _outside() -> int:
-    """The `stacklevel` at which a `warnings.warn` called by `_say` points
+    """The `stacklevel` at which a `warnings.warn` called by its caller points
     at the first frame outside Keras and keras_nanguard: the code that called
     `fit`."""
-    frame, level = sys._getframe(1), 1  # `_say`'s frame is level 1
+    frame, level = sys._getframe(1), 1  # the caller's frame is level 1
     while frame.f_back is not None:
         if frame.f_globals.get("__name__", "").split(".")[0] not in _OURS:
             break

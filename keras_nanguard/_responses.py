@@ -13,9 +13,7 @@ import math
 import time
 from typing import Any
 
-import keras
-
-from keras_nanguard import _replay, snapshots
+from keras_nanguard import _learning_rate, _replay, _snapshot_io, snapshots
 from keras_nanguard._figures import is_loss
 from keras_nanguard._watch import Event
 from keras_nanguard.errors import NonFiniteError
@@ -186,11 +184,13 @@ class Responses:
             self.rollbacks += 1
             self._rollbacks_since_snapshot += 1
             inc.action = "rolled back: " + where
-            lr = self._lower_learning_rate()
+            lr = _learning_rate.lower(self._net.optimizer, self.lr_factor)
             if lr is not None:
                 inc.learning_rate = lr
                 inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
                 self._save(snap)  # the rate to go on with
+            elif self.lr_factor < 1:  # a schedule
+                inc.action += _learning_rate.not_lowered(self._net.optimizer)
             until = self._now + self.skip_batches
             self._discard_until = until if self.skip_batches else None
             self._reset_metrics(self._now, until, restored=True)
@@ -225,14 +225,6 @@ class Responses:
         self._net.reset_metrics()
         with self._lock:
             self._watch.metrics_reset(step, leave_out_until, restored)
-
-    def _lower_learning_rate(self) -> tuple[float, float] | None:
-        lr = self._net.optimizer.learning_rate
-        if self.lr_factor == 1 or not isinstance(lr, keras.Variable):
-            return None
-        old = float(keras.ops.convert_to_numpy(lr))
-        lr.assign(old * self.lr_factor)
-        return old, float(keras.ops.convert_to_numpy(lr))
 
     # ------------------------------------------------------------ snapshots
     def _reusable(self) -> snapshots.Snapshot | None:
@@ -307,14 +299,16 @@ class Responses:
         self._snapshots.cost = snap.seconds  # with the read and the write
 
     def _save(self, snap: snapshots.Snapshot) -> float:
-        """Writes the rollback point to `directory`, with the learning rate
-        training goes on with; returns the seconds it took."""
+        """Writes the rollback point to `directory` (NaNGuard's file and a
+        Keras weights file), with the learning rate training goes on with;
+        returns the seconds it took."""
         if self.directory is None:
             return 0.0
         start = time.perf_counter()
         snapshots.sync_from_device(self._net)
         snap.learning_rate = snapshots.learning_rate(self._net)
         snapshots.save(snap, self.directory)
+        _snapshot_io.save_weights_file(self._net, snap, self.directory)
         return time.perf_counter() - start
 
     def _start(self) -> None:

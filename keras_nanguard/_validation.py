@@ -122,6 +122,46 @@ def check_path(name: str, value: Any, allow_none: bool = False) -> str | None:
     return path
 
 
+def check_not_a_directory(name: str, path: str | None) -> str | None:
+    """`path` (a file to write) if it is not an existing directory."""
+    if path is not None and os.path.isdir(path):
+        raise ValueError(
+            f"`{name}` must be the path of a file, not of an existing directory: "
+            f"give a file name in it, e.g. {os.path.join(path, 'nanguard.json')!r}. "
+            f"Received: {name}={path!r}"
+        )
+    return path
+
+
+def check_not_a_file(name: str, path: str | None) -> str | None:
+    """`path` (a directory to write into) if it is not an existing file."""
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"`{name}` must be a directory (it is created if needed), not an "
+            f"existing file. Received: {name}={path!r}"
+        )
+    return path
+
+
+def check_output_paths(
+    directory: Any, report_path: Any, writable: bool = False
+) -> tuple[str | None, str | None]:
+    """NaNGuard's `directory` and `report_path` as `str` (or None), if the
+    first is not an existing file and the second not an existing directory;
+    with `writable`, once they can be written (`directory` is created)."""
+    directory = check_not_a_file(
+        "directory", check_path("directory", directory, allow_none=True)
+    )
+    report_path = check_not_a_directory(
+        "report_path", check_path("report_path", report_path, allow_none=True)
+    )
+    if writable and directory is not None:
+        check_writable(directory, "directory")
+    if writable and report_path is not None:
+        check_writable(os.path.dirname(os.path.abspath(report_path)), "report_path")
+    return directory, report_path
+
+
 def check_writable(directory: str, name: str) -> None:
     """Creates `directory` if needed and checks that a file can be made in it."""
     try:

@@ -323,6 +323,13 @@ class LearningRateSpike(keras.callbacks.Callback):
     `steps_per_execution > 1` the callback sees one batch per execution, so
     the spike covers a whole execution.
 
+    Another callback may change the rate during a spike (NaNGuard's
+    rollback multiplies it by its `lr_factor`): the callback then carries the
+    relative change over to the rate it puts back, `old * current / spiked`,
+    so a cut made during the spike is kept. With an infinite `factor` the
+    change cannot be measured (`inf * 0.5` is `inf`): the rate goes back to
+    `old`.
+
     Args:
         at_steps: int or list of ints.
         factor: the multiplier, e.g. `1e6`.
@@ -346,10 +353,11 @@ class LearningRateSpike(keras.callbacks.Callback):
         self.factor = float(factor)
         self._step = 0
         self._original: np.ndarray | None = None
+        self._spiked: np.ndarray | None = None  # the rate this callback set
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._step = 0
-        self._original = None
+        self._original = self._spiked = None
         _settable_lr(self.model.optimizer)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
@@ -357,13 +365,31 @@ class LearningRateSpike(keras.callbacks.Callback):
         if self._step in self.at_steps:
             if self._original is None:
                 self._original = ops.convert_to_numpy(lr).copy()
-            lr.assign(self._original * self.factor)
+            else:
+                self._carry_over(lr)
+            dtype = self._original.dtype
+            self._spiked = np.asarray(self._original * self.factor, dtype=dtype)
+            lr.assign(self._spiked)
         elif self._original is not None:
-            lr.assign(self._original)
-            self._original = None
+            self._end(lr)
         self._step += 1
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._original is not None:
-            self.model.optimizer.learning_rate.assign(self._original)
-            self._original = None
+            self._end(self.model.optimizer.learning_rate)
+
+    def _carry_over(self, lr: Any) -> None:
+        """Applies a change another callback made to the spiked rate, in
+        proportion, to the rate to put back."""
+        current = ops.convert_to_numpy(lr)
+        if current.tobytes() == self._spiked.tobytes():
+            return  # unchanged: the rate goes back exactly
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            carried = self._original * (current / self._spiked)
+        if np.isfinite(carried):  # not with an infinite spike
+            self._original = np.asarray(carried, dtype=self._original.dtype)
+
+    def _end(self, lr: Any) -> None:
+        self._carry_over(lr)
+        lr.assign(self._original)
+        self._original = self._spiked = None

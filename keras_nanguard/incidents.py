@@ -13,6 +13,18 @@ import numpy as np
 
 from keras_nanguard.diagnosis import Diagnosis, diagnose
 
+#: The incident kinds, a fixed vocabulary: kind -> what it means.
+KINDS: dict[str, str] = {
+    "rejected_step": "a SafeOptimizer refused the update",
+    "halted": "a SafeOptimizer stopped accepting any update",
+    "nonfinite_loss": "the loss is NaN or inf",
+    "nonfinite_metric": "a metric is NaN or inf, the loss is finite",
+    "nonfinite_weights": "the weights or the optimizer state are NaN or inf",
+    "loss_spike": "the batch loss stayed far above its rolling mean",
+    "nonfinite_validation": "a validation figure (val_...) is NaN or inf, the "
+    "weights are finite: never trouble",
+}
+
 
 @dataclasses.dataclass
 class Incident:
@@ -25,12 +37,14 @@ class Incident:
     (SafeOptimizer's `recent_rejections`, k <= 30), but an incident found in
     the loss or metrics covers the whole execution, from its first step,
     unless the replayed data shows which batch was bad.
-    `kind` is one of `"rejected_step"` (a SafeOptimizer refused the update),
-    `"halted"` (it stopped accepting any), `"nonfinite_loss"`,
+    `kind` is one of `KINDS`: `"rejected_step"` (a SafeOptimizer refused the
+    update), `"halted"` (it stopped accepting any), `"nonfinite_loss"`,
     `"nonfinite_metric"` (a metric is NaN or inf, the loss is finite),
-    `"nonfinite_weights"` and `"loss_spike"` (the batch loss stayed far above
+    `"nonfinite_weights"`, `"loss_spike"` (the batch loss stayed far above
     its rolling mean; `step` is where the streak began, `steps` its length,
-    `detail` the figures that triggered it).
+    `detail` the figures that triggered it) and `"nonfinite_validation"` (a
+    `val_` figure is NaN or inf at an epoch's end while the weights are
+    finite: recorded, never trouble; `batch` is -1).
     """
 
     fit: int
@@ -88,12 +102,20 @@ def diagnose_batch(inc: Incident, model: keras.Model) -> None:
 
 
 def write_json(path: str, report: dict[str, Any]) -> None:
-    """Writes `report` to `path` atomically (a temporary file, then a rename)."""
+    """Writes `report` to `path` atomically (a temporary file, then a rename).
+
+    On any error the temporary file is removed and `path` is left as it was.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2, default=_json_default)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _json_default(value: Any) -> Any:

@@ -9,19 +9,19 @@ from typing import Any
 
 import keras
 
-from keras_nanguard import _replay, _runs, snapshots
+from keras_nanguard import _learning_rate, _replay, _runs, _snapshot_io, snapshots
 from keras_nanguard._cadence import Cadence
+from keras_nanguard._figures import nonfinite_validation
 from keras_nanguard._loss_spikes import LossSpikes
-from keras_nanguard._messages import Telling
+from keras_nanguard._messages import Telling, warn
 from keras_nanguard._responses import Responses
 from keras_nanguard._validation import (
     check_choice,
     check_in,
     check_int,
     check_int_or_auto,
-    check_path,
+    check_output_paths,
     check_positive,
-    check_writable,
 )
 from keras_nanguard._watch import BatchWatch
 from keras_nanguard.incidents import Incident
@@ -40,8 +40,10 @@ _MAX_LAG = 2
 class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
 
-    NaNGuard snapshots every weight and optimizer variable when all are
-    finite: at the start of training, every `snapshot_every` steps, at each
+    NaNGuard snapshots every weight, optimizer variable and random stream
+    (`SeedGenerator` state) when all are finite: at the first batch (after
+    every callback's `on_train_begin`, so after `BackupAndRestore` loaded
+    its backup), every `snapshot_every` steps, at each
     epoch's end and at the end (optionally to `directory`); on JAX and
     PyTorch a copy on the device when it has room, else on the host. A
     snapshot becomes the rollback point once a later batch was healthy.
@@ -54,7 +56,8 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     trouble:
 
     - `"rollback"` (default): restore the snapshot, multiply the learning rate
-      by `lr_factor`, discard the next `skip_batches` batches, and go on;
+      by `lr_factor` (not a schedule: the action says so), discard the
+      next `skip_batches` batches, and go on;
       after `patience` rollbacks with no fresh good snapshot in between, stop.
     - `"stop"`: restore the snapshot and stop; `fit` returns a finite model.
     - `"raise"`: restore the snapshot and raise `keras_nanguard.NonFiniteError`.
@@ -63,7 +66,9 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     Each incident is kept in `guard.incidents` and told once, with its
     action (see `verbose`). Bad batches are left out of the epoch's loss and
     metrics (a non-finite metric with a finite loss, kind
-    `"nonfinite_metric"`, out of that metric only): NaNGuard edits `logs` in
+    `"nonfinite_metric"`, out of that metric only; a non-finite `val_`
+    figure with finite weights is kind `"nonfinite_validation"`, not
+    trouble): NaNGuard edits `logs` in
     place, so list it before `ModelCheckpoint`, `BackupAndRestore`,
     `EarlyStopping`, `CSVLogger` and `TensorBoard`. It adds
     `nanguard_incidents`, `nanguard_rollbacks` and, with a SafeOptimizer,
@@ -109,12 +114,14 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
             make a spike. Defaults to 3.
         directory: optional `str` or `os.PathLike`; the rollback point is
             also written there, atomically, as `nanguard_snapshot.npz`, with
-            the learning rate to go on with; when `fit` returns it holds the
-            final state if that is finite. Load it with `NaNGuard.restore`.
-            Defaults to `None`.
+            the learning rate to go on with (load it with `NaNGuard.restore`),
+            and as `nanguard_snapshot.weights.h5` (load it with
+            `model.load_weights`); when `fit` returns they hold the final
+            state if that is finite. Not an existing file. Defaults to `None`.
         report_path: optional `str` or `os.PathLike` of a JSON file with
             every incident, rewritten atomically after each incident and at
-            the end of training. Defaults to `None`.
+            the end of training. Not an existing directory. Defaults to
+            `None`.
         replay: optional `(x, y)` arrays (or `x` alone) or a
             `keras.utils.PyDataset` that `fit` reads unshuffled; an
             incident's batch is then kept in `incident.batch_data` and
@@ -181,8 +188,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         self.loss_spike_patience = check_int(
             "loss_spike_patience", loss_spike_patience, 1
         )
-        self.directory = check_path("directory", directory, allow_none=True)
-        self.report_path = check_path("report_path", report_path, allow_none=True)
+        self.directory, self.report_path = check_output_paths(directory, report_path)
         self.replay = _replay.check(replay)
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.verbose = check_choice("verbose", verbose, (0, 1))
@@ -213,12 +219,8 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     # batch-end side queues `Event`s there, the training thread takes them
     # in `_act`. Only the training thread touches the model.
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.directory is not None:
-            check_writable(self.directory, "directory")
-        if self.report_path is not None:
-            check_writable(
-                os.path.dirname(os.path.abspath(self.report_path)), "report_path"
-            )
+        # Again: the paths may have changed since the constructor.
+        check_output_paths(self.directory, self.report_path, writable=True)
         self._fit = self._fits
         self._fits += 1
         self._thread = threading.get_ident()
@@ -237,6 +239,10 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         self._net = self.model
         self._k = max(1, int(getattr(self._net, "steps_per_execution", 1) or 1))
         self._safe = snapshots.find_safe_optimizer(self._net.optimizer)
+        if self.policy == "rollback":  # the only policy that lowers the rate
+            said = _learning_rate.schedule_warning(self._net.optimizer, self.lr_factor)
+            if said is not None:
+                warn(said)
         rejected = consecutive = overflows = 0
         if self._safe is not None:  # a rejected step keeps BN statistics too
             self._safe.attach(self._net)
@@ -255,9 +261,10 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         # The last fit's rollback point only lends its buffers.
         self._spare = self.snapshot or self._spare
         self.snapshot, self._pendings = None, []
+        # The first snapshot waits for the first batch begin (`_take_turn`):
+        # a callback's `on_train_begin` (`BackupAndRestore`) may still load
+        # the state training really starts from, whatever the order.
         self._started = False
-        if self._net.built:  # else Keras builds it in the first step
-            self._start()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch, self._in_epoch = epoch, True
@@ -304,6 +311,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
             self._publish(logs)
             return
         self._poll_counters(0, None, force=True)
+        bad: list[str] = []  # else the state is the snapshot's, or checked now
         if not self._stopping and self._restored_at != self._now:
             snap, bad = self._capture(verify=True)  # one read per epoch
             if snap is None:
@@ -315,6 +323,9 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
                 snap.epoch = epoch + 1
                 self._pendings.append(snap)
                 self._snapshots.done(snap.seconds)
+        detail = nonfinite_validation(logs)
+        if detail is not None and not bad:  # the weights are finite
+            self._record(None, "nonfinite_validation", detail, [])  # not trouble
         _runs.epoch_end(self, logs)  # a copy KerasTuner runs
         self._tell()
         self._publish(logs)
@@ -388,7 +399,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         >>> # after fit(..., callbacks=[ng.NaNGuard(directory="ckpt")]):
         >>> # step = ng.NaNGuard.restore(model, "ckpt")
         """
-        return snapshots.load_into(model, directory).step
+        return _snapshot_io.load_into(model, directory).step
 
     def get_config(self) -> dict[str, Any]:
         # Every constructor argument but `replay` (data, not configuration).

@@ -1,7 +1,9 @@
 """Last-known-good snapshots of a model and its optimizer, in memory or on disk.
 
-A snapshot holds copies of every model weight (trainable and not) and every
-optimizer variable, kept only when all of them are finite. `capture` copies
+A snapshot holds copies of every model weight (trainable and not), every
+optimizer variable and the state of every `SeedGenerator` (dropout's random
+stream, which `model.weights` leaves out and `model.variables` holds), kept
+only when all of them are finite. `capture` copies
 them on the device (JAX, torch, when the device has room: at memory speed,
 without waiting for the steps in flight) and checks their finiteness there;
 `verify` reads that one flag later. `take` copies them to the host and checks
@@ -9,7 +11,8 @@ them at once (TensorFlow, or no room on the device). Written to disk, it goes
 to a temporary file in the same directory which is then renamed over the
 previous one, so a crash mid-write leaves the previous snapshot loadable.
 Where values live (host reads, device copies, device room) is
-`_host_device.py`.
+`_host_device.py`; loading a snapshot file into a model, and writing one as a
+Keras weights file, `_snapshot_io.py`.
 """
 
 from __future__ import annotations
@@ -44,19 +47,29 @@ def sync_from_device(model: keras.Model) -> None:
         model.jax_state_sync()
 
 
-def _tracked(model: keras.Model) -> list[keras.Variable]:
+def seed_states(model: keras.Model) -> list[keras.Variable]:
+    """The model's `SeedGenerator` states: in `model.variables`, not in
+    `model.weights` (nor in a `.weights.h5` file)."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def tracked(model: keras.Model) -> list[keras.Variable]:
+    """What a snapshot copies, in the order of `Snapshot.values`: the
+    weights, the optimizer's variables, the random streams."""
     variables = list(model.weights)
     if getattr(model, "optimizer", None) is not None and model.optimizer.built:
         variables += list(model.optimizer.variables)
-    return variables
+    return variables + seed_states(model)
 
 
-def _unchecked(model: keras.Model) -> set[int]:
+def unchecked(model: keras.Model) -> set[int]:
+    """The ids of the tracked variables that a restore leaves as they are."""
     # What a restore leaves as it is, a snapshot does not check: the report
     # values, and the learning rate (a setting callbacks change, e.g. a
     # `LearningRateSpike` to inf for one step, which SafeOptimizer rejects).
     skip = _reports(getattr(model, "optimizer", None))
-    lr = _learning_rate_variable(model)
+    lr = learning_rate_variable(model)
     if lr is not None:
         skip.add(id(lr))
     return skip
@@ -79,14 +92,15 @@ def variable_name(v: keras.Variable) -> str:
     return getattr(v, "path", None) or v.name
 
 
-def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
+def learning_rate_variable(model: keras.Model) -> keras.Variable | None:
+    """The optimizer's learning-rate variable; `None` for a schedule."""
     lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
     return lr if isinstance(lr, keras.Variable) else None  # not a schedule
 
 
 def learning_rate(model: keras.Model) -> float | None:
     """The optimizer's learning rate (host read); `None` for a schedule."""
-    lr = _learning_rate_variable(model)
+    lr = learning_rate_variable(model)
     return None if lr is None else float(host_view(lr))
 
 
@@ -96,8 +110,9 @@ class Snapshot:
 
     `values` are host arrays, or device arrays when `finite` is set: the
     device flag of their finiteness, not yet read (see `verify`). The first
-    `n_weights` values are the model's weights (`model.weights`), the rest
-    its optimizer's variables. `learning_rate` is the optimizer's
+    `n_weights` values are the model's weights (`model.weights`), the last
+    `n_seeds` its `SeedGenerator` states (`seed_states`), those between its
+    optimizer's variables. `learning_rate` is the optimizer's
     learning rate to go on with (`None` with a schedule): NaNGuard keeps it
     current when it lowers the rate, and `NaNGuard.restore` sets it.
     """
@@ -108,6 +123,7 @@ class Snapshot:
     step: int
     seconds: float = 0.0
     n_weights: int | None = None
+    n_seeds: int = 0  # files of keras-nanguard <= 0.2 hold none
     learning_rate: float | None = None
     finite: Any = dataclasses.field(default=None, repr=False)
     on_device: bool = False
@@ -125,8 +141,8 @@ def nonfinite_variables(variables: list[keras.Variable]) -> list[str]:
 
 def nonfinite_names(model: keras.Model) -> list[str]:
     """Names of the model/optimizer variables holding NaN or inf (host read)."""
-    skip = _unchecked(model)
-    return nonfinite_variables([v for v in _tracked(model) if id(v) not in skip])
+    skip = unchecked(model)
+    return nonfinite_variables([v for v in tracked(model) if id(v) not in skip])
 
 
 def take(
@@ -139,10 +155,10 @@ def take(
     buffers avoids allocating (and page-faulting) the whole state again.
     """
     start = time.perf_counter()
-    variables = _tracked(model)
-    skip = _unchecked(model)
+    variables = tracked(model)
+    skip = unchecked(model)
     views = [host_view(v) for v in variables]
-    lr = _learning_rate_variable(model)
+    lr = learning_rate_variable(model)
     lr_value = next(
         (float(view) for v, view in zip(variables, views, strict=True) if v is lr), None
     )
@@ -171,6 +187,7 @@ def take(
             [np.array(view, copy=True) for view in views], names, epoch, step
         )
     snap.n_weights, snap.learning_rate = len(model.weights), lr_value
+    snap.n_seeds = len(seed_states(model))
     snap.seconds = time.perf_counter() - start
     return snap, []
 
@@ -186,7 +203,7 @@ def capture(
     The caller syncs JAX state first.
     """
     backend = keras.backend.backend()
-    variables = _tracked(model)
+    variables = tracked(model)
     if backend not in ("jax", "torch") or not device_room(variables):
         host_into = into if into is not None and not into.on_device else None
         return take(model, epoch, step, into=host_into)
@@ -208,11 +225,18 @@ def capture(
         values = into.values
     else:
         values = [device_copy(v.value) for v in variables]
-    skip = _unchecked(model)
+    skip = unchecked(model)
     checked = [x for v, x in zip(variables, values, strict=True) if id(v) not in skip]
-    snap = Snapshot(values, names, epoch, step, n_weights=len(model.weights))
+    snap = Snapshot(
+        values,
+        names,
+        epoch,
+        step,
+        n_weights=len(model.weights),
+        n_seeds=len(seed_states(model)),
+    )
     snap.finite, snap.on_device = all_finite(checked), True
-    lr = _learning_rate_variable(model)
+    lr = learning_rate_variable(model)
     snap.lr_index = next((i for i, v in enumerate(variables) if v is lr), None)
     snap.seconds = time.perf_counter() - start
     return snap, None
@@ -249,18 +273,19 @@ def restore(model: keras.Model, snapshot: Snapshot) -> None:
     The learning rate is left as it is (a policy may have lowered it), and so
     are SafeOptimizer's cumulative counters, which are history, not state.
     """
-    variables = _tracked(model)
+    variables = tracked(model)
     if len(variables) != len(snapshot.values):
         raise ValueError(
             "The snapshot does not match the model: it has "
             f"{len(snapshot.values)} variables, the model and optimizer have "
             f"{len(variables)}."
         )
-    _assign(model, variables, snapshot.values)
+    assign(model, variables, snapshot.values)
 
 
-def _assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> None:
-    keep = _unchecked(model)
+def assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> None:
+    """Writes `values` into `variables`, but for those `unchecked` leaves."""
+    keep = unchecked(model)
     copy = keras.backend.backend() == "jax"
     for v, value in zip(variables, values, strict=True):
         if id(v) not in keep:
@@ -273,47 +298,6 @@ def _assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> No
             )
 
 
-def load_into(model: keras.Model, directory: str | os.PathLike) -> Snapshot:
-    """Loads the snapshot in `directory` into `model` and returns it.
-
-    The model's weights always; its optimizer's variables and learning rate
-    when the model has an optimizer (it is built if needed). A model with no
-    optimizer (not compiled, e.g. for inference) gets the weights only.
-    Nothing is written unless every shape matches.
-    """
-    snap = load(directory)
-    if not model.built:
-        raise ValueError(
-            "`model` is not built, so it has no weights to load the snapshot "
-            "into. Call it on a batch or call `model.build(input_shape)` first. "
-            f"Received: model={model.name!r} (built=False)"
-        )
-    weights = list(model.weights)
-    # A file from before `n_weights` was stored: trust the shapes.
-    n = len(weights) if snap.n_weights is None else snap.n_weights
-    variables, values = weights, snap.values[:n]
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and len(snap.values) > n:
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        variables, values = weights + list(optimizer.variables), snap.values
-    shapes = [tuple(v.shape) for v in variables]
-    if shapes != [tuple(a.shape) for a in values]:
-        raise ValueError(
-            "The snapshot in the directory was taken from a different model "
-            f"or optimizer: {n} weights and {len(snap.values) - n} optimizer "
-            f"variables. Received: directory={os.fspath(directory)!r}, model "
-            f"with {len(weights)} weights and "
-            f"{len(variables) - len(weights)} optimizer variables "
-            "(or different shapes)"
-        )
-    _assign(model, variables, values)
-    lr = _learning_rate_variable(model)
-    if lr is not None and snap.learning_rate is not None:
-        lr.assign(snap.learning_rate)
-    return snap
-
-
 def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
     """Writes `snapshot` atomically into `directory`; returns the file path."""
     directory = os.fspath(directory)
@@ -323,6 +307,7 @@ def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
         "epoch": snapshot.epoch,
         "step": snapshot.step,
         "n_weights": snapshot.n_weights,
+        "n_seeds": snapshot.n_seeds,
         "learning_rate": snapshot.learning_rate,
     }
     fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".tmp", dir=directory)
@@ -371,5 +356,6 @@ def load(directory: str | os.PathLike) -> Snapshot:
         meta["epoch"],
         meta["step"],
         n_weights=meta.get("n_weights"),
+        n_seeds=meta.get("n_seeds", 0),
         learning_rate=meta.get("learning_rate"),
     )
