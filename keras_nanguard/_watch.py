@@ -272,3 +272,23 @@ class BatchWatch:
             self.run_reset_at = step
             if self.spikes is not None:  # a streak on the undone state ends
                 self.spikes.streak_from, self.spikes.streak = None, 0
+
+
+def watch_for_fit(
+    safe: Any,
+    spike_sigma: float | None,
+    spike_window: int,
+    spike_patience: int,
+) -> BatchWatch:
+    """The batch-end side of one `fit`: it starts from the totals of the
+    attached SafeOptimizer `safe` (one read per fit), with loss-spike
+    detection when `spike_sigma` is set."""
+    rejected = consecutive = overflows = 0
+    if safe is not None:
+        c = safe.counters()
+        rejected, consecutive = c["skipped_steps"], c["consecutive_skips"]
+        overflows = c["loss_scale_steps"]
+    spikes = None
+    if spike_sigma is not None:
+        spikes = LossSpikes(spike_sigma, spike_window, spike_patience)
+    return BatchWatch(rejected, consecutive, spikes, overflows)

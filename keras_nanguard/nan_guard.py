@@ -12,7 +12,6 @@ import keras
 from keras_nanguard import _learning_rate, _replay, _runs, _snapshot_io, snapshots
 from keras_nanguard._cadence import Cadence
 from keras_nanguard._figures import nonfinite_validation
-from keras_nanguard._loss_spikes import LossSpikes
 from keras_nanguard._messages import Telling, warn
 from keras_nanguard._responses import Responses
 from keras_nanguard._validation import (
@@ -23,7 +22,7 @@ from keras_nanguard._validation import (
     check_output_paths,
     check_positive,
 )
-from keras_nanguard._watch import BatchWatch
+from keras_nanguard._watch import watch_for_fit
 from keras_nanguard.incidents import Incident
 
 POLICIES = ("rollback", "stop", "raise", "warn")
@@ -74,18 +73,10 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     `nanguard_incidents`, `nanguard_rollbacks` and, with a SafeOptimizer,
     `nanguard_rejected_steps` and `nanguard_grad_norm` to the logs.
 
-    On JAX and PyTorch NaNGuard is asynchronous (`async_safe`): its batch
-    ends only read the logs, in Keras's worker thread, and it acts on the
-    training thread at most two executions later; on TensorFlow at the
-    batch's end. With `steps_per_execution=k` (not on PyTorch, k <= 30) a
-    SafeOptimizer's logs say which steps of an execution it rejected: the
-    incidents and the steps rejected in a row are those of k=1; an incident
-    found in the figures covers its execution's k steps (`incident.steps`),
-    unless `replay` shows the bad batch. A model that `fit` builds (no
-    `keras.Input`, on TensorFlow) is first snapshotted after its first step,
-    which cannot be rolled back. A copy (`copy.deepcopy`, as KerasTuner makes
-    one per trial) is a fresh guard kept in `guard.runs`, with its own files.
-    More in the README.
+    On JAX and PyTorch NaNGuard is asynchronous (`async_safe`): it acts
+    at most two executions after a bad batch. `steps_per_execution`,
+    models built by `fit`, copies made by KerasTuner (`guard.runs`): see the
+    README.
 
     Args:
         policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
@@ -243,19 +234,15 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
             said = _learning_rate.schedule_warning(self._net.optimizer, self.lr_factor)
             if said is not None:
                 warn(said)
-        rejected = consecutive = overflows = 0
         if self._safe is not None:  # a rejected step keeps BN statistics too
             self._safe.attach(self._net)
             snapshots.sync_from_device(self._net)
-            c = self._safe.counters()  # one read per fit
-            rejected, consecutive = c["skipped_steps"], c["consecutive_skips"]
-            overflows = c["loss_scale_steps"]
-        spikes = None
-        if self.loss_spike_sigma is not None:
-            spikes = LossSpikes(
-                self.loss_spike_sigma, self.loss_spike_window, self.loss_spike_patience
-            )
-        self._watch = BatchWatch(rejected, consecutive, spikes, overflows)
+        self._watch = watch_for_fit(
+            self._safe,
+            self.loss_spike_sigma,
+            self.loss_spike_window,
+            self.loss_spike_patience,
+        )
         self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
         self._checks = Cadence(self.check_every, 0.01, 1)
         # The last fit's rollback point only lends its buffers.
