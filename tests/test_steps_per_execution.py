@@ -203,17 +203,18 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     assert isinstance(opt, ng.SafeOptimizer)
     n = len(model.weights)
     assert_bit_identical(expected[:n], numpy(model.weights), "weights")
-    # 0.2 saved 13 counters, the spike window, then Adam's variables;
-    # `recent_rejections` (new since) takes its initial value.
+    # 0.2 saved 13 counters, the spike window, then Adam's variables; the
+    # counters new since (`loss_scale_steps`, `recent_rejections`) take
+    # their initial values.
     saved = expected[n:]
-    assert len(opt.variables) == len(saved) + 1
-    new = [v.name for v in opt.variables].index("recent_rejections")
-    assert new == 13
+    assert len(opt.variables) == len(saved) + 2
+    names = [v.name for v in opt.variables]
+    assert names[13:15] == ["loss_scale_steps", "recent_rejections"]
     assert_bit_identical(saved[:13], numpy(opt.variables[:13]), "counters")
-    assert int(opt.recent_rejections) == 0
+    assert (int(opt.loss_scale_steps), int(opt.recent_rejections)) == (0, 0)
     # Adam's `iterations` is int32 in the JAX-made file, int64 on TensorFlow
     # and torch: the same value in the backend's dtype.
-    loaded = numpy(opt.variables[14:])
+    loaded = numpy(opt.variables[15:])
     saved = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)
