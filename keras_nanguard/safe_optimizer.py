@@ -184,7 +184,9 @@ class SafeOptimizer(
             )
             setattr(self, counter, var)
         if spike_sigma is not None:
-            self.spike_norms, self.spike_count = spikes.make_window(self, spike_window)
+            self.spike_norms, self.spike_count, self.last_spike = spikes.make_window(
+                self, spike_window
+            )
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -253,6 +255,17 @@ class SafeOptimizer(
             values = [v.numpy() for v in self._variables]
             values[:_COUNTERS_0_1] = old[:_COUNTERS_0_1]
             values += old[_COUNTERS_0_1:]
+            store = {str(i): v for i, v in enumerate(values)}
+        elif (
+            self.spike_sigma is not None
+            and len(store.keys()) == len(self.variables) - 1
+        ):
+            # A file from keras-nanguard 0.2: its spike window ends before
+            # `last_spike`, the last of our own variables, which keeps its
+            # initial value.
+            own = len(self._variables) - 1
+            values = [store[str(i)] for i in range(len(store.keys()))]
+            values.insert(own, self.last_spike.numpy())
             store = {str(i): v for i, v in enumerate(values)}
         super().load_own_variables(store)
 

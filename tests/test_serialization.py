@@ -1,5 +1,7 @@
 """Every public class serializes: get_config/from_config and a .keras round trip."""
 
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -148,3 +150,26 @@ def test_weight_norm_dense_round_trip(tmp_path):
     np.testing.assert_array_equal(
         model.predict(x, verbose=0), loaded.predict(x, verbose=0)
     )
+
+
+def test_a_keras_file_of_version_0_2_loads_and_trains_on():
+    # Saved by keras-nanguard 0.2 (tests/fixtures/make_0_2_fixture.py): its
+    # spike window (spike_window=4) has no `last_spike`, which loads as zeros.
+    fixtures = Path(__file__).parent / "fixtures"
+    model = keras.models.load_model(fixtures / "safe_optimizer_0_2.keras")
+    expected = list(np.load(fixtures / "safe_optimizer_0_2_expected.npz").values())
+    opt = model.optimizer
+    n_weights = len(model.weights)
+    assert_bit_identical(expected[:n_weights], numpy(model.weights), "weights")
+    own = len(opt.variables) - len(opt.inner_optimizer.variables)
+    values = numpy(opt.variables)
+    np.testing.assert_array_equal(values[own - 1], np.zeros(3, "float32"))
+    assert_bit_identical(
+        expected[n_weights:], values[: own - 1] + values[own:], "optimizer"
+    )
+    assert (opt.spike_sigma, opt.spike_window, int(opt.spike_count)) == (6.0, 4, 7)
+    iterations = int(opt.iterations)
+    x = np.random.default_rng(1).standard_normal((16, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)
+    assert int(opt.iterations) == iterations + 2
+    assert int(opt.spike_count) == 9
