@@ -35,7 +35,7 @@ word); OLMo-core's window takes the raw norm of every step, so a spike
 widens it and the next few pass. With the threshold written instead, a lone
 spike moves the window by one bounded value, and a lasting rise is taken in
 after a run of rejections, once the thresholds fill half the window and
-move its median (14 steps for a 1000-fold rise with `window=16`,
+move its median (7 steps for a 1000-fold rise with `window=16`,
 `sigma=6`). Steps rejected for non-finite values are not written. All of it
 is a few hundred scalars and two sorts of `window` values: no pass over the
 weights, no branch, no host read.

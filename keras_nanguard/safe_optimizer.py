@@ -89,13 +89,17 @@ class SafeOptimizer(
             halt as trouble and follows its policy; without one, `fit` warns
             when it ends. Defaults to `None`.
         spike_sigma: float > 0 or `None`. If set, a step whose raw global
-            gradient norm is more than `spike_sigma` standard deviations above
-            the mean of the last `spike_window` steps' norms is rejected
-            like a non-finite one (counted in `spike_steps`), as OLMo-core's
-            `SkipStepOptimizer` does; inactive until the window has filled. A
-            rejected spike enters the window as the threshold it exceeded, so
-            a lasting rise of the norm is taken in after a run of rejections
-            instead of rejecting every later step. Defaults to `None`.
+            gradient norm is more than `spike_sigma` robust standard
+            deviations of the log-norm above the median log-norm of the last
+            `spike_window` steps (`norm > median * exp(spike_sigma * s)`, `s`
+            1.4826 times the median absolute deviation of the log-norms) is
+            rejected like a non-finite one (counted in `spike_steps`), as
+            OLMo-core's `SkipStepOptimizer` does with the raw mean and
+            standard deviation, which reject clean steps of noisy batches;
+            inactive until the window has filled. A rejected spike enters the
+            window as the threshold it exceeded, so a lasting rise of the norm
+            is taken in after a run of rejections instead of rejecting every
+            later step. Defaults to `None`.
         spike_window: int >= 2. Steps in the spike statistics (accepted ones
             and spikes). Defaults to 128.
         name: the optimizer's name. Defaults to an automatic name.
