@@ -8,6 +8,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _spikes as spikes
 from keras_nanguard.errors import NonFiniteError
 
 _REASONS = {
@@ -118,17 +119,16 @@ class ReportsMixin:
         where = names[index] if 0 <= index < len(names) else f"variable #{index}"
         norm = c["rejected_grad_norm"]
         if reason == "spike":
-            last = self.last_spike.value
+            norms = self.spike_norms.value
             if optimizer_variables is not None:  # the window follows the counters
-                last = list(optimizer_variables)[len(_COUNTERS) + 2]
-            threshold, median, scale = (float(v) for v in ops.convert_to_numpy(last))
+                norms = list(optimizer_variables)[len(_COUNTERS)]
+            mean, std = (
+                float(ops.convert_to_numpy(v)) for v in spikes.statistics(norms)
+            )
             return (
                 f"the global gradient norm {norm:.4g} was a spike, more than "
-                f"{self.spike_sigma:g} standard deviations above the median of the "
-                f"last {self.spike_window} steps' norms in log space: above "
-                f"{threshold:.4g}, the median norm {median:.4g} times "
-                f"exp({self.spike_sigma:g} * {scale:.4g}), where {scale:.4g} is "
-                "the robust standard deviation of the log-norm"
+                f"{self.spike_sigma:g} standard deviations above the mean of the "
+                f"last {self.spike_window} accepted steps ({mean:.4g} +- {std:.4g})"
             )
         if reason == "loss_scale_overflow":
             return (

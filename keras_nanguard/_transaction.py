@@ -159,9 +159,9 @@ class TransactionMixin:
         new_finite = kernels.finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
-        spike = spike_figures = None
+        spike = threshold = None
         if self.spike_sigma is not None:
-            spike, spike_figures = spikes.is_spike(
+            spike, threshold = spikes.is_spike(
                 norm, self.spike_norms.value, self.spike_count.value, self.spike_sigma
             )
             ok = ops.logical_and(ok, ~spike)
@@ -189,7 +189,7 @@ class TransactionMixin:
             norm=norm,
             bad_index=bad_index,
             spike=spike,
-            spike_figures=spike_figures,
+            threshold=threshold,
         )
 
     @contextlib.contextmanager
@@ -207,7 +207,7 @@ class TransactionMixin:
             inner.global_clipnorm = saved
 
     def _count(
-        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike, spike_figures
+        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike, threshold
     ) -> None:
         i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
         bad_grad = ~grads_ok
@@ -243,13 +243,7 @@ class TransactionMixin:
             reason = ops.where(spike, 3, reason)
             self.spike_steps.assign(self.spike_steps.value + i32(spike))
             spikes.record(
-                ok,
-                spike,
-                norm,
-                spike_figures,
-                self.spike_norms,
-                self.spike_count,
-                self.last_spike,
+                ok, spike, norm, threshold, self.spike_norms, self.spike_count
             )
         failed = reason > 0
         self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))

@@ -97,17 +97,13 @@ class SafeOptimizer(
             halt as trouble and follows its policy; without one, `fit` warns
             when it ends. Defaults to `None`.
         spike_sigma: float > 0 or `None`. If set, a step whose raw global
-            gradient norm is more than `spike_sigma` robust standard
-            deviations of the log-norm above the median log-norm of the last
-            `spike_window` steps (`norm > median * exp(spike_sigma * s)`, `s`
-            1.4826 times the median absolute deviation of the log-norms) is
-            rejected like a non-finite one (counted in `spike_steps`), as
-            OLMo-core's `SkipStepOptimizer` does with the raw mean and
-            standard deviation, which reject clean steps of noisy batches;
-            inactive until the window has filled. A rejected spike enters the
-            window as the threshold it exceeded, so a lasting rise of the norm
-            is taken in after a run of rejections instead of rejecting every
-            later step. Defaults to `None`.
+            gradient norm is more than `spike_sigma` standard deviations above
+            the mean of the last `spike_window` steps' norms is rejected
+            like a non-finite one (counted in `spike_steps`), as OLMo-core's
+            `SkipStepOptimizer` does; inactive until the window has filled. A
+            rejected spike enters the window as the threshold it exceeded, so
+            a lasting rise of the norm is taken in after a run of rejections
+            instead of rejecting every later step. Defaults to `None`.
         spike_window: int >= 2. Steps in the spike statistics (accepted ones
             and spikes). Defaults to 128.
         name: the optimizer's name. Defaults to an automatic name.
@@ -152,8 +148,8 @@ class SafeOptimizer(
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        refuse_unknown(kwargs)
         inner = resolve_inner(optimizer)
-        refuse_unknown(kwargs, inner)
         clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
         check_clipping(inner, clipnorm)
         if lr_backoff is not None:
@@ -198,9 +194,7 @@ class SafeOptimizer(
             )
             setattr(self, counter, var)
         if spike_sigma is not None:
-            self.spike_norms, self.spike_count, self.last_spike = spikes.make_window(
-                self, spike_window
-            )
+            self.spike_norms, self.spike_count = spikes.make_window(self, spike_window)
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -261,7 +255,6 @@ class SafeOptimizer(
                 store,
                 counters=len(_COUNTERS),
                 window=len(self._variables) - len(_COUNTERS),
-                window_0_2=0 if self.spike_sigma is None else 2,
                 inner=len(self.inner_optimizer.variables),
                 initial=[v.numpy() for v in self._variables],
             )

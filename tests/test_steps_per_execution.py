@@ -207,16 +207,14 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     # counters new since (`loss_scale_steps`, `recent_rejections`) take
     # their initial values.
     saved = expected[n:]
-    assert len(opt.variables) == len(saved) + 3  # and the window's `last_spike`
+    assert len(opt.variables) == len(saved) + 2
     names = [v.name for v in opt.variables]
     assert names[13:15] == ["loss_scale_steps", "recent_rejections"]
     assert_bit_identical(saved[:13], numpy(opt.variables[:13]), "counters")
     assert (int(opt.loss_scale_steps), int(opt.recent_rejections)) == (0, 0)
     # Adam's `iterations` is int32 in the JAX-made file, int64 on TensorFlow
     # and torch: the same value in the backend's dtype.
-    # The window's `last_spike` (new since) starts at zeros.
-    np.testing.assert_array_equal(numpy([opt.last_spike])[0], np.zeros(3, "float32"))
-    loaded = numpy([v for v in opt.variables[15:] if v.name != "last_spike"])
+    loaded = numpy(opt.variables[15:])
     saved = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)
