@@ -3,6 +3,7 @@ of `keras.optimizers.Optimizer` that are read and written through to it."""
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -27,19 +28,52 @@ def forwarded(name: str) -> property:
     return property(get, set_, doc=f"The inner optimizer's `{name}`.")
 
 
-def refuse_unknown(kwargs: dict[str, Any]) -> None:
-    """Unknown keyword arguments are an error, with a hint for clipping."""
+def _inner_arguments(inner: keras.optimizers.Optimizer) -> set[str]:
+    """The keyword arguments of the inner optimizer's class and of the
+    optimizer base classes it derives from."""
+    names: set[str] = set()
+    for cls in type(inner).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names.update(
+            p.name
+            for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        )
+    return names - {"self", "name"}
+
+
+def refuse_unknown(kwargs: dict[str, Any], inner: keras.optimizers.Optimizer) -> None:
+    """Unknown keyword arguments are an error, with a hint for clipping and
+    for arguments that belong to the inner optimizer."""
     if not kwargs:
         return
-    hint = ""
-    if {"global_clipnorm", "clipvalue"} & set(kwargs):
-        hint = (
+    hints = []
+    clipping = {"global_clipnorm", "clipvalue"} & set(kwargs)
+    if clipping:
+        hints.append(
             " SafeOptimizer clips by global norm with `clipnorm`; set "
             "other clipping on the inner optimizer."
         )
+    inner_args = sorted((_inner_arguments(inner) & set(kwargs)) - clipping)
+    if inner_args:
+        named = ", ".join(f"`{a}`" for a in inner_args)
+        one = len(inner_args) == 1
+        example = ", ".join(f"{a}=..." for a in inner_args)
+        hints.append(
+            f" {named} {'is an argument' if one else 'are arguments'} of the "
+            f"inner optimizer: pass {'it' if one else 'them'} there, e.g. "
+            f"SafeOptimizer({type(inner).__name__}({example}))."
+        )
     raise TypeError(
         f"SafeOptimizer got unknown keyword arguments {sorted(kwargs)}."
-        f"{hint} Received: {kwargs}"
+        f"{''.join(hints)} Received: "
+        + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     )
 
 

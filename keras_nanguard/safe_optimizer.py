@@ -148,8 +148,8 @@ class SafeOptimizer(
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_unknown(kwargs)
         inner = resolve_inner(optimizer)
+        refuse_unknown(kwargs, inner)
         clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
         check_clipping(inner, clipnorm)
         if lr_backoff is not None:

@@ -302,7 +302,28 @@ def test_string_optimizer_is_resolved():
         (
             {"foo": 1},
             TypeError,
-            r"unknown keyword arguments \['foo'\].*Received: \{'foo': 1\}",
+            r"unknown keyword arguments \['foo'\]\. Received: foo=1$",
+        ),
+        (
+            {"learning_rate": 1e-3},
+            TypeError,
+            r"\['learning_rate'\]\. `learning_rate` is an argument of the inner "
+            r"optimizer: pass it there, e\.g\. SafeOptimizer\(SGD\(learning_rate"
+            r"=\.\.\.\)\)\. Received: learning_rate=0\.001$",
+        ),
+        (  # the inner class's own arguments and the base class's, not `foo`
+            {"momentum": 0.9, "weight_decay": 1e-4, "foo": 1},
+            TypeError,
+            r"`momentum`, `weight_decay` are arguments of the inner optimizer: "
+            r"pass them there, e\.g\. SafeOptimizer\(SGD\(momentum=\.\.\., "
+            r"weight_decay=\.\.\.\)\)\. Received: momentum=0\.9, "
+            r"weight_decay=0\.0001, foo=1$",
+        ),
+        (
+            {"optimizer": keras.optimizers.Adam(), "beta_1": 0.8},
+            TypeError,
+            r"`beta_1` is an argument of the inner optimizer: pass it there, "
+            r"e\.g\. SafeOptimizer\(Adam\(beta_1=\.\.\.\)\)",
         ),
     ],
 )
