@@ -341,7 +341,9 @@ class ModelStateMixin:
                 )
             return
         key = (id(model), tuple(map(id, variables)))
-        if key in self._plans.trained:
+        # Not while torch compiles a step (`jit_compile=True`): a set it sees
+        # change would recompile it; `fit`'s step trains the model's own.
+        if key in self._plans.trained or step_ops.torch_compiling():
             return
         own = {id(v) for v in model.variables}
         foreign = [v for v in variables if id(v) not in own]

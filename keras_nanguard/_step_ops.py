@@ -114,6 +114,15 @@ def restore_unless(ok: Any, state: list, backup: list) -> None:
         v.assign(ops.where(ok, v.value, old))
 
 
+def torch_compiling() -> bool:
+    """Whether torch is compiling the code running now (`torch.compile`)."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
 def executing_eagerly(probe: keras.Variable) -> bool:
     backend = keras.backend.backend()
     if backend == "tensorflow":

@@ -148,4 +148,3 @@ def test_weight_norm_dense_round_trip(tmp_path):
     np.testing.assert_array_equal(
         model.predict(x, verbose=0), loaded.predict(x, verbose=0)
     )
-
