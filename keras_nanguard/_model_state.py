@@ -361,10 +361,7 @@ class ModelStateMixin:
 
     def _check_is_optimizer_of(self, model: keras.Model) -> None:
         optimizer = getattr(model, "optimizer", None)
-        wrapper = optimizer  # self may sit inside a LossScaleOptimizer
-        while wrapper is not None and wrapper is not self:
-            wrapper = getattr(wrapper, "inner_optimizer", None)
-        if optimizer is not None and wrapper is None:
+        if optimizer is not None and not self._trains(model):
             raise ValueError(
                 "The model is compiled with another optimizer; compile it with "
                 "this SafeOptimizer before tying them. "
