@@ -38,7 +38,8 @@ from typing import Any
 
 import keras
 
-_OURS = "nanguard_"  # NaNGuard's own counters in the logs stay as they are
+# NaNGuard's own counters in the logs stay as they are (`is_metric`).
+from keras_nanguard._figures import is_metric
 
 
 def copy_of(guard: Any, memo: dict) -> Any:
@@ -143,10 +144,5 @@ def _tuning() -> bool:
 
 
 def _figure(key: str, value: Any) -> bool:
-    if key.startswith(_OURS) or isinstance(value, bool):
-        return False
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
+    # A figure the tuner scores: a metric, not a flag.
+    return not isinstance(value, bool) and is_metric(key, value)
