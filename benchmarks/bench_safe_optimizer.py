@@ -6,7 +6,7 @@ Times, interleaved in one process, the steady-state `model.fit` step of
 - the inner optimizer with `global_clipnorm`;
 - `LossScaleOptimizer(inner)`;
 - `SafeOptimizer(inner, clipnorm=...)` (the full transaction);
-- with `--spike`, the same with `spike_sigma=6` (`safe_spike`),
+- with `--spike`, the same with `spike_factor=10` (`safe_spike`),
 
 on the MLP 784-256-256-10 (batch 128) and on the conv actor from the user's
 report (288x512x3 input, Conv2D 16/32/64 3x3 ReLU + 2x2 max-pooling, Dense 64,
@@ -101,7 +101,7 @@ def make_optimizer(config: str):
         return ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=1.0)
     if config == "safe_spike":
         return ng.SafeOptimizer(
-            keras.optimizers.RMSprop(1e-3), clipnorm=1.0, spike_sigma=6.0
+            keras.optimizers.RMSprop(1e-3), clipnorm=1.0, spike_factor=10.0
         )
     raise ValueError(config)
 
@@ -300,7 +300,7 @@ def main() -> int:
     parser.add_argument(
         "--spike",
         action="store_true",
-        help="also time SafeOptimizer with spike_sigma=6 (safe_spike)",
+        help="also time SafeOptimizer with spike_factor=10 (safe_spike)",
     )
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()

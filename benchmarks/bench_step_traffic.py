@@ -11,7 +11,7 @@ are its cost there. Two exact proxies, measurable on a CPU:
   a Python branch on a device value, a device sync on a GPU).
 
 For RMSprop and Adam: the inner optimizer with `global_clipnorm=1.0`, the
-same inside `SafeOptimizer(clipnorm=1.0)`, with `spike_sigma` where
+same inside `SafeOptimizer(clipnorm=1.0)`, with `spike_factor=10` where
 available, and on JAX the exact transaction written by hand in `jax.numpy`
 (norm, RMSprop update, check of the new values, `where`) for scale.
 Figures are bytes per parameter on a 10-layer dense model of ~9M
@@ -54,9 +54,9 @@ def _configs(name: str) -> dict:
         "global_clipnorm": lambda: make(global_clipnorm=1.0),
         "safe": lambda: ng.SafeOptimizer(make(), clipnorm=1.0),
     }
-    if "spike_sigma" in ng.SafeOptimizer.__init__.__code__.co_varnames:
+    if "spike_factor" in ng.SafeOptimizer.__init__.__code__.co_varnames:
         configs["safe_spike"] = lambda: ng.SafeOptimizer(
-            make(), clipnorm=1.0, spike_sigma=6.0
+            make(), clipnorm=1.0, spike_factor=10.0
         )
     return configs
 

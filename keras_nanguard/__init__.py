@@ -3,7 +3,7 @@
 Public names (everything else is private):
 
 - `SafeOptimizer`: wraps any optimizer; a step whose gradients, new weights or
-  new optimizer state are not finite (or, with `spike_sigma`, whose gradient
+  new optimizer state are not finite (or, with `spike_factor`, whose gradient
   norm spikes) is rejected inside the compiled step; `attach(model)` makes
   the rejection cover the model's non-trainable state and metrics too.
 - `NaNGuard`: a callback for `model.fit` that keeps a last-known-good state,

@@ -60,6 +60,12 @@ def refuse_unknown(kwargs: dict[str, Any], inner: keras.optimizers.Optimizer) ->
             " SafeOptimizer clips by global norm with `clipnorm`; set "
             "other clipping on the inner optimizer."
         )
+    if "spike_sigma" in kwargs:
+        hints.append(
+            " `spike_sigma` (mean + sigma standard deviations, keras-nanguard "
+            "0.2) rejected clean steps of noisy batches; use "
+            "`spike_factor=10` (10 times the window's 90th percentile)."
+        )
     inner_args = sorted((_inner_arguments(inner) & set(kwargs)) - clipping)
     if inner_args:
         named = ", ".join(f"`{a}`" for a in inner_args)

@@ -293,7 +293,7 @@ class ModelStateMixin:
             figures["nanguard_recent_rejections"] = self.recent_rejections
         if self.lr_backoff is not None:
             figures["nanguard_lr_scale"] = self.lr_scale
-        if self.spike_sigma is not None:
+        if self.spike_factor is not None:
             figures["nanguard_spike_steps"] = self.spike_steps
         if loss_scaling.scalers(getattr(model, "optimizer", None), self):
             figures["nanguard_loss_scale_steps"] = self.loss_scale_steps

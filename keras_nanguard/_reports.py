@@ -8,7 +8,6 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_nanguard import _spikes as spikes
 from keras_nanguard.errors import NonFiniteError
 
 _REASONS = {
@@ -119,16 +118,15 @@ class ReportsMixin:
         where = names[index] if 0 <= index < len(names) else f"variable #{index}"
         norm = c["rejected_grad_norm"]
         if reason == "spike":
-            norms = self.spike_norms.value
+            last = self.last_spike.value
             if optimizer_variables is not None:  # the window follows the counters
-                norms = list(optimizer_variables)[len(_COUNTERS)]
-            mean, std = (
-                float(ops.convert_to_numpy(v)) for v in spikes.statistics(norms)
-            )
+                last = list(optimizer_variables)[len(_COUNTERS) + 2]
+            threshold, reference = (float(v) for v in ops.convert_to_numpy(last))
             return (
                 f"the global gradient norm {norm:.4g} was a spike, more than "
-                f"{self.spike_sigma:g} standard deviations above the mean of the "
-                f"last {self.spike_window} accepted steps ({mean:.4g} +- {std:.4g})"
+                f"{self.spike_factor:g} times the 90th percentile of the last "
+                f"{self.spike_window} steps' norms ({reference:.4g}): above "
+                f"{threshold:.4g}"
             )
         if reason == "loss_scale_overflow":
             return (

@@ -159,10 +159,10 @@ class TransactionMixin:
         new_finite = kernels.finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok = ops.logical_and(grads_ok, update_ok)
-        spike = threshold = None
-        if self.spike_sigma is not None:
-            spike, threshold = spikes.is_spike(
-                norm, self.spike_norms.value, self.spike_count.value, self.spike_sigma
+        spike = spike_figures = None
+        if self.spike_factor is not None:
+            spike, spike_figures = spikes.is_spike(
+                norm, self.spike_norms.value, self.spike_count.value, self.spike_factor
             )
             ok = ops.logical_and(ok, ~spike)
         if self.max_consecutive_skips is not None:  # halted: reject everything
@@ -189,7 +189,7 @@ class TransactionMixin:
             norm=norm,
             bad_index=bad_index,
             spike=spike,
-            threshold=threshold,
+            spike_figures=spike_figures,
         )
 
     @contextlib.contextmanager
@@ -207,7 +207,7 @@ class TransactionMixin:
             inner.global_clipnorm = saved
 
     def _count(
-        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike, threshold
+        self, *, ok, grads_ok, update_ok, clipped, norm, bad_index, spike, spike_figures
     ) -> None:
         i32 = lambda flag: ops.cast(flag, "int32")  # noqa: E731
         bad_grad = ~grads_ok
@@ -243,7 +243,13 @@ class TransactionMixin:
             reason = ops.where(spike, 3, reason)
             self.spike_steps.assign(self.spike_steps.value + i32(spike))
             spikes.record(
-                ok, spike, norm, threshold, self.spike_norms, self.spike_count
+                ok,
+                spike,
+                norm,
+                spike_figures,
+                self.spike_norms,
+                self.spike_count,
+                self.last_spike,
             )
         failed = reason > 0
         self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -96,14 +97,17 @@ class SafeOptimizer(
             `check_halted()`. In other `fit` steps a `NaNGuard` treats the
             halt as trouble and follows its policy; without one, `fit` warns
             when it ends. Defaults to `None`.
-        spike_sigma: float > 0 or `None`. If set, a step whose raw global
-            gradient norm is more than `spike_sigma` standard deviations above
-            the mean of the last `spike_window` steps' norms is rejected
+        spike_factor: float > 1 or `None`. If set, a step whose raw global
+            gradient norm is more than `spike_factor` times the 90th
+            percentile of the last `spike_window` steps' norms is rejected
             like a non-finite one (counted in `spike_steps`), as OLMo-core's
-            `SkipStepOptimizer` does; inactive until the window has filled. A
-            rejected spike enters the window as the threshold it exceeded, so
-            a lasting rise of the norm is taken in after a run of rejections
-            instead of rejecting every later step. Defaults to `None`.
+            `SkipStepOptimizer` rejects a norm 6 standard deviations above
+            the mean (which rejects clean steps of noisy batches: see
+            BENCHMARKS.md); inactive until the window has filled. 10 is a
+            good value. A rejected spike enters the window as the threshold
+            it exceeded, so a lasting rise of the norm is taken in after a
+            run of rejections instead of rejecting every later step.
+            Defaults to `None`.
         spike_window: int >= 2. Steps in the spike statistics (accepted ones
             and spikes). Defaults to 128.
         name: the optimizer's name. Defaults to an automatic name.
@@ -143,7 +147,7 @@ class SafeOptimizer(
         lr_recovery_steps: int = 100,
         min_lr_scale: float = 1e-3,
         max_consecutive_skips: int | None = None,
-        spike_sigma: float | None = None,
+        spike_factor: float | None = None,
         spike_window: int = 128,
         name: str | None = None,
         **kwargs: Any,
@@ -166,7 +170,10 @@ class SafeOptimizer(
             "max_consecutive_skips", max_consecutive_skips, 1, allow_none=True
         )
 
-        spike_sigma = check_positive("spike_sigma", spike_sigma, allow_none=True)
+        if spike_factor is not None:
+            spike_factor = check_in(
+                "spike_factor", spike_factor, 1, math.inf, closed_high=False
+            )
         spike_window = check_int("spike_window", spike_window, 2)
 
         super().__init__(learning_rate=0.0, name=name)
@@ -179,7 +186,7 @@ class SafeOptimizer(
         self.lr_recovery_steps = lr_recovery_steps
         self.min_lr_scale = min_lr_scale
         self.max_consecutive_skips = max_consecutive_skips
-        self.spike_sigma = spike_sigma
+        self.spike_factor = spike_factor
         self.spike_window = spike_window
         self._plans = _Plans()
         # Saved while attached to a model: `apply` warns once when it is not.
@@ -193,8 +200,10 @@ class SafeOptimizer(
                 name=counter,
             )
             setattr(self, counter, var)
-        if spike_sigma is not None:
-            self.spike_norms, self.spike_count = spikes.make_window(self, spike_window)
+        if spike_factor is not None:
+            self.spike_norms, self.spike_count, self.last_spike = spikes.make_window(
+                self, spike_window
+            )
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -255,6 +264,7 @@ class SafeOptimizer(
                 store,
                 counters=len(_COUNTERS),
                 window=len(self._variables) - len(_COUNTERS),
+                window_0_2=0 if self.spike_factor is None else 2,
                 inner=len(self.inner_optimizer.variables),
                 initial=[v.numpy() for v in self._variables],
             )
@@ -359,7 +369,7 @@ class SafeOptimizer(
             "lr_recovery_steps": self.lr_recovery_steps,
             "min_lr_scale": self.min_lr_scale,
             "max_consecutive_skips": self.max_consecutive_skips,
-            "spike_sigma": self.spike_sigma,
+            "spike_factor": self.spike_factor,
             "spike_window": self.spike_window,
         }
 
@@ -372,6 +382,7 @@ class SafeOptimizer(
             config.pop("optimizer"), custom_objects=custom_objects
         )
         attached = config.pop("attached", False)  # not in files of 0.2
+        layouts.upgrade_config(config)
         optimizer = cls(inner, **config)
         optimizer._expects_attach = bool(attached)
         return optimizer

@@ -61,7 +61,7 @@ class AgentConfig:
     safe_optimizer: bool = False  # SafeOptimizer(..., clipnorm=1.0)
     init: str = "glorot_uniform"  # "he_normal" fits the ReLU trunk
     hidden: int = 128
-    spike_sigma: float | None = None  # SafeOptimizer's gradient-spike skipping
+    spike_factor: float | None = None  # SafeOptimizer's gradient-spike skipping
     spike_window: int = 128
 
 
@@ -122,12 +122,12 @@ def make_optimizer(config: AgentConfig) -> keras.optimizers.Optimizer:
             "config": {"learning_rate": config.learning_rate},
         }
     )
-    if not config.safe_optimizer and config.spike_sigma is None:
+    if not config.safe_optimizer and config.spike_factor is None:
         return inner
     return ng.SafeOptimizer(
         inner,
         clipnorm=1.0 if config.safe_optimizer else None,
-        spike_sigma=config.spike_sigma,
+        spike_factor=config.spike_factor,
         spike_window=config.spike_window,
     )
 
@@ -144,7 +144,7 @@ class RunResult:
     skipped_steps: int = 0
     # per episode: the raw global gradient norm of its update, the smallest
     # action probability the policy gave while playing it, and (with
-    # `spike_sigma`) whether its update was rejected as a gradient spike
+    # `spike_factor`) whether its update was rejected as a gradient spike
     grad_norms: list[float] = dataclasses.field(default_factory=list)
     min_probs: list[float] = dataclasses.field(default_factory=list)
     spikes: list[bool] = dataclasses.field(default_factory=list)
@@ -241,7 +241,7 @@ def train_agent(
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         result.grad_norms.append(float(ng.ops.global_norm(grads)))
         result.min_probs.append(min_p)
-        if config.spike_sigma is not None:
+        if config.spike_factor is not None:
             spikes = optimizer.counters()["spike_steps"]
             result.spikes.append(spikes > sum(result.spikes))
 
@@ -271,10 +271,10 @@ def train_agent(
 # action. When, or whether within a few hundred episodes, is chaotic: another
 # seed, or the same seed on another CPU (float32 sums rounded in another
 # order), gives another trajectory, so the notebook computes its figures and
-# the tests assert only what holds for every run. With `spike_sigma`
+# the tests assert only what holds for every run. With `spike_factor`
 # SafeOptimizer rejects the norm's isolated jumps, not its climb.
 RETURNS_UNNORMALISED = AgentConfig(learning_rate=0.03)
-SPIKE_GUARD = dict(spike_sigma=6.0, spike_window=32)
+SPIKE_GUARD = dict(spike_factor=10.0, spike_window=32)
 EARLY_WARNING_EPISODES = 310
 
 

@@ -54,7 +54,7 @@ def test_tensorboard_writes_the_health_figures(tmp_path):
         "tensorboard.backend.event_processing.event_accumulator"
     )
     logs = str(tmp_path / "tb")
-    _fit(tmp_path, [keras.callbacks.TensorBoard(logs)], spike_sigma=6.0)
+    _fit(tmp_path, [keras.callbacks.TensorBoard(logs)], spike_factor=10.0)
     events = event_accumulator.EventAccumulator(os.path.join(logs, "train"))
     events.Reload()
     tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])

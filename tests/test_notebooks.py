@@ -152,8 +152,11 @@ def test_actor_critic_early_warning_claims():
     it changes with the seed and with the CPU's float32 rounding, so nothing
     here is pinned to an episode. Checked over 300 episodes on other seeds of
     this scenario: the correlation below was 0.77-0.87 on seeds 0-4 (plain)
-    and 0.73-0.85 on seeds 0-2 (guarded); guarded seeds 0-3 rejected 2-6
-    spikes."""
+    and 0.73-0.85 on seeds 0-2 (guarded). The spike guard
+    (`spike_factor=10`) rejects the rare isolated jump and lets the climb
+    through: guarded seeds 0-2 rejected 1, 4 and 0 steps on TensorFlow
+    (mean + 6 standard deviations, 0.2's rule, rejected 2-6). A window that
+    locked on the climb would reject every later step."""
     import tutorial
 
     episodes = tutorial.EARLY_WARNING_EPISODES
@@ -169,7 +172,7 @@ def test_actor_critic_early_warning_claims():
         assert tutorial.norm_follows_length(run) > 0.5
     assert plain.spikes == [] and plain.skipped_steps == 0
     assert len(guarded.spikes) == episodes
-    assert guarded.skipped_steps == sum(guarded.spikes) >= 1
+    assert guarded.skipped_steps == sum(guarded.spikes) <= episodes // 20
 
 
 def test_image_observation_claims():

@@ -198,23 +198,29 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     path = os.path.join(FIXTURES, "safe_optimizer_0_2.keras")
     expected = np.load(os.path.join(FIXTURES, "safe_optimizer_0_2_expected.npz"))
     expected = [expected[f"arr_{i}"] for i in range(len(expected.files))]
-    model = keras.saving.load_model(path)
+    # 0.2's `spike_sigma=6` loads as today's rule, with a warning that says so.
+    with pytest.warns(UserWarning, match=r"spike_sigma=6.0 .* spike_factor=10"):
+        model = keras.saving.load_model(path)
     opt = model.optimizer
     assert isinstance(opt, ng.SafeOptimizer)
+    assert (opt.spike_factor, opt.spike_window) == (10.0, 4)
+    assert "spike_sigma" not in opt.get_config()
     n = len(model.weights)
     assert_bit_identical(expected[:n], numpy(model.weights), "weights")
     # 0.2 saved 13 counters, the spike window, then Adam's variables; the
     # counters new since (`loss_scale_steps`, `recent_rejections`) take
     # their initial values.
     saved = expected[n:]
-    assert len(opt.variables) == len(saved) + 2
+    assert len(opt.variables) == len(saved) + 3  # and the window's `last_spike`
     names = [v.name for v in opt.variables]
     assert names[13:15] == ["loss_scale_steps", "recent_rejections"]
     assert_bit_identical(saved[:13], numpy(opt.variables[:13]), "counters")
     assert (int(opt.loss_scale_steps), int(opt.recent_rejections)) == (0, 0)
     # Adam's `iterations` is int32 in the JAX-made file, int64 on TensorFlow
     # and torch: the same value in the backend's dtype.
-    loaded = numpy(opt.variables[15:])
+    # The window's `last_spike` (new since) starts at zeros.
+    np.testing.assert_array_equal(numpy([opt.last_spike])[0], np.zeros(2, "float32"))
+    loaded = numpy([v for v in opt.variables[15:] if v.name != "last_spike"])
     saved = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)
