@@ -4,22 +4,26 @@ of `keras.optimizers.Optimizer` that are read and written through to it."""
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import keras
 
-if TYPE_CHECKING:
-    from keras_nanguard.safe_optimizer import SafeOptimizer
+
+class _Wrapper(Protocol):
+    """What `forwarded` needs of the wrapper (a SafeOptimizer): its inner
+    optimizer. A protocol, so this module does not import the wrapper's."""
+
+    inner_optimizer: keras.optimizers.Optimizer
 
 
 def forwarded(name: str) -> property:
     """An attribute of `keras.optimizers.Optimizer` that belongs to the inner
     optimizer: read and written through the wrapper."""
 
-    def get(self: SafeOptimizer) -> Any:
+    def get(self: _Wrapper) -> Any:
         return getattr(self.inner_optimizer, name)
 
-    def set_(self: SafeOptimizer, value: Any) -> None:
+    def set_(self: _Wrapper, value: Any) -> None:
         # The base class's __init__ writes its own defaults before the inner
         # optimizer is known; those are not the user's and are dropped.
         if "inner_optimizer" in self.__dict__:
@@ -100,10 +104,12 @@ def check_clipping(inner: keras.optimizers.Optimizer, clipnorm: float | None) ->
         )
 
 
-def resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
-    """The optimizer to wrap, from an instance or a built-in one's name."""
-    from keras_nanguard.safe_optimizer import SafeOptimizer
+def resolve_inner(optimizer: Any, wrapper: type) -> keras.optimizers.Optimizer:
+    """The optimizer to wrap, from an instance or a built-in one's name.
 
+    `wrapper` is the class that wraps it (`SafeOptimizer`, passed by its
+    `__init__` so that this module need not import it): an optimizer that
+    already is one is refused."""
     if isinstance(optimizer, str):
         try:
             optimizer = keras.optimizers.get(optimizer)
@@ -112,7 +118,7 @@ def resolve_inner(optimizer: Any) -> keras.optimizers.Optimizer:
                 "`optimizer` must be a Keras optimizer or the name of a built-in "
                 f"one. Received: optimizer={optimizer!r}"
             ) from err
-    if isinstance(optimizer, SafeOptimizer):
+    if isinstance(optimizer, wrapper):
         raise ValueError(
             "`optimizer` is already a SafeOptimizer; wrapping it twice would "
             f"count and check every step twice. Received: optimizer={optimizer!r}"

@@ -152,7 +152,7 @@ class SafeOptimizer(
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        inner = resolve_inner(optimizer)
+        inner = resolve_inner(optimizer, SafeOptimizer)
         refuse_unknown(kwargs, inner)
         clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
         check_clipping(inner, clipnorm)
