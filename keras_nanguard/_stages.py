@@ -19,8 +19,8 @@ import numpy as np
 
 from keras_nanguard import _probes as probes
 from keras_nanguard import snapshots
+from keras_nanguard._findings import Diagnosis, LayerStats
 from keras_nanguard.causes import hints_for, overflow_hints
-from keras_nanguard.diagnosis import Diagnosis, LayerStats
 
 #: Global gradient norm above `_EXPLODING * (1 + global weight norm)` counts
 #: as exploding.
