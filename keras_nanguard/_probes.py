@@ -13,6 +13,7 @@ import numpy as np
 from keras import ops
 
 from keras_nanguard import snapshots
+from keras_nanguard._host_device import host_finite, host_view
 
 
 # ------------------------------------------------------------ model access
@@ -174,7 +175,7 @@ def probe_update(model, optimizer, grads, leaves):
     tv = model.trainable_variables
     if not optimizer.built:
         optimizer.build(tv)
-    saved = [np.array(snapshots.host_view(v), copy=True) for v in optimizer.variables]
+    saved = [np.array(host_view(v), copy=True) for v in optimizer.variables]
     try:
         pairs = [
             (ops.convert_to_tensor(g), v)
@@ -190,9 +191,7 @@ def probe_update(model, optimizer, grads, leaves):
             optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         for name, layer in leaves:
             bad = [
-                w.name
-                for w in layer.trainable_weights
-                if not snapshots.host_finite(snapshots.host_view(w))
+                w.name for w in layer.trainable_weights if not host_finite(host_view(w))
             ]
             if bad:
                 return name, bad
@@ -223,7 +222,7 @@ def clipped_gradients_finite(model, x, loss_of, which) -> bool:
     grads = fresh_gradients(
         model, x, lambda y_pred: loss_of(clip_probabilities(y_pred, which))
     )
-    return all(g is None or snapshots.host_finite(g) for g in grads)
+    return all(g is None or host_finite(g) for g in grads)
 
 
 def scaled_loss_finite(loss_of, y_pred, y) -> bool:
@@ -256,7 +255,7 @@ def to_tensors(data: Any) -> Any:
 
 
 def host_tree(data: Any) -> list[np.ndarray]:
-    return [snapshots.host_view(t) for t in keras.tree.flatten(data) if t is not None]
+    return [host_view(t) for t in keras.tree.flatten(data) if t is not None]
 
 
 def nonfinite_arrays(data: Any) -> str:
@@ -284,7 +283,7 @@ def probability_outputs(y_pred, last_layer) -> list[bool] | None:
     )
     which = []
     for t in flat:
-        v = snapshots.host_view(t)
+        v = host_view(t)
         in_range = (
             v.dtype.kind == "f"
             and v.size
@@ -301,7 +300,7 @@ def probability_outputs(y_pred, last_layer) -> list[bool] | None:
 
 def fraction_zero(y_pred, which: list[bool]) -> float:
     probs = [
-        snapshots.host_view(t)
+        host_view(t)
         for t, w in zip(keras.tree.flatten(y_pred), which, strict=True)
         if w
     ]

@@ -20,6 +20,7 @@ import numpy as np
 from keras_nanguard import _probes as probes
 from keras_nanguard import snapshots
 from keras_nanguard._findings import Diagnosis, LayerStats
+from keras_nanguard._host_device import host_finite, host_view
 from keras_nanguard.causes import hints_for, overflow_hints
 
 #: Global gradient norm above `_EXPLODING * (1 + global weight norm)` counts
@@ -99,11 +100,7 @@ def _check_data(run: _Run) -> Diagnosis | None:
 def _check_weights(run: _Run) -> Diagnosis | None:
     """Each layer's weights, then the optimizer's state."""
     for name, layer in run.leaves:
-        bad = [
-            v.name
-            for v in layer.weights
-            if not snapshots.host_finite(snapshots.host_view(v))
-        ]
+        bad = [v.name for v in layer.weights if not host_finite(host_view(v))]
         if bad:
             return run.result(
                 "weights",
@@ -179,11 +176,7 @@ def _check_backward(run: _Run) -> Diagnosis | None:
     norm that explodes."""
     run.grads = run.gradients()
     _gradient_norms(run)
-    bad = [
-        i
-        for i, g in enumerate(run.grads)
-        if g is not None and not snapshots.host_finite(g)
-    ]
+    bad = [i for i, g in enumerate(run.grads) if g is not None and not host_finite(g)]
     if bad:
         return _nonfinite_gradient(run, bad)
     return _exploding_gradient(run)
@@ -273,9 +266,7 @@ def _nonfinite_gradient(run: _Run, bad: list[int]) -> Diagnosis:
 def _exploding_gradient(run: _Run) -> Diagnosis | None:
     tv = run.model.trainable_variables
     weight_norm = float(
-        np.sqrt(
-            sum(np.sum(np.square(snapshots.host_view(v), dtype=np.float64)) for v in tv)
-        )
+        np.sqrt(sum(np.sum(np.square(host_view(v), dtype=np.float64)) for v in tv))
     )
     if run.grad_norm > _EXPLODING * (1.0 + weight_norm):
         biggest = max(

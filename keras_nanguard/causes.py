@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import keras
 import numpy as np
 
-from keras_nanguard import snapshots
+from keras_nanguard._host_device import host_view
 
 #: The cause vocabulary: code -> what it means.
 CAUSES: dict[str, str] = {
@@ -169,7 +169,7 @@ def overflow_hints(layers: Sequence[keras.layers.Layer]) -> list[str]:
             "layers), or a bounded activation (tanh) where values must stay small."
         )
     weights = [
-        float(np.max(np.abs(snapshots.host_view(w)), initial=0.0))
+        float(np.max(np.abs(host_view(w)), initial=0.0))
         for lay in layers
         for w in lay.weights
     ]

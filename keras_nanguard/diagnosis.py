@@ -16,8 +16,9 @@ import keras
 import numpy as np
 
 from keras_nanguard import _probes as probes
-from keras_nanguard import _stages, snapshots
+from keras_nanguard import _stages
 from keras_nanguard._findings import STAGES, Diagnosis, LayerStats
+from keras_nanguard._host_device import host_view
 from keras_nanguard.causes import CAUSES
 
 __all__ = ["CAUSES", "STAGES", "Diagnosis", "LayerStats", "diagnose"]
@@ -85,7 +86,7 @@ def diagnose(
     # the probes' training-mode calls advance Dropout's random stream.
     state = list(model.variables)
     state += list(optimizer.variables) if optimizer is not None else []
-    saved = [np.array(snapshots.host_view(v), copy=True) for v in state]
+    saved = [np.array(host_view(v), copy=True) for v in state]
     try:
         return _stages.run_stages(model, x, y, loss_of, leaves, optimizer)
     finally:
