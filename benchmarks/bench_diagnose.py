@@ -25,6 +25,14 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The actor from the report (notebooks/report_models.py), as the notebooks
+# and the tests build it.
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks"
+    ),
+)
 
 import numpy as np
 from _stats import ratio_summary  # this folder is on sys.path
@@ -36,9 +44,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     import keras
+    import report_models as models
 
     import keras_nanguard as ng
-    from tests import models
 
     actor = models.actor(image=(288, 512, 3))
     actor.compile(

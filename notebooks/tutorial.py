@@ -300,14 +300,10 @@ def collapse_episode(result: RunResult, low: float = 12.0, run: int = 10) -> int
 
 
 # ------------------------------------------------ the models from the reports
-# The actor and the critic (WeightNormDense) live in `tests/models.py`, owned by
-# the tests; re-exported here for the notebooks (`tutorial.actor()`, ...).
-# The notebooks run from `notebooks/` (or the repo root): the repo root on the
-# path makes `tests.models` importable from both.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tests.models import (  # noqa: E402
+# The actor and the critic (WeightNormDense) live in `report_models.py`, beside
+# this file (the tests and bench_diagnose.py import it too); re-exported here
+# for the notebooks (`tutorial.actor()`, ...).
+from report_models import (  # noqa: E402
     WeightNormDense,
     actor,
     critic,
