@@ -11,10 +11,10 @@ temporary file in the same directory, then is renamed over the previous one.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import keras
 
+from keras_nanguard._atomic import atomic_path
 from keras_nanguard._host_device import held_value
 from keras_nanguard.snapshots import (
     Snapshot,
@@ -105,9 +105,7 @@ def save_weights_file(
     ]
     directory = os.fspath(directory)
     path = os.path.join(directory, WEIGHTS_FILE)
-    fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".weights.h5", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_path(path, ".weights.h5") as tmp:
         current = [held_value(v) for v, _ in swap]
         try:
             assign(model, [v for v, _ in swap], [x for _, x in swap])
@@ -115,11 +113,4 @@ def save_weights_file(
         finally:
             for (v, _), value in zip(swap, current, strict=True):
                 v.assign(value)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX and Windows
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     return path

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from typing import Any
 
 import keras
 import numpy as np
 
+from keras_nanguard._atomic import atomic_path
 from keras_nanguard.diagnosis import Diagnosis, diagnose
 
 #: The incident kinds, a fixed vocabulary: kind -> what it means.
@@ -106,16 +105,8 @@ def write_json(path: str, report: dict[str, Any]) -> None:
 
     On any error the temporary file is removed and `path` is left as it was.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2, default=_json_default)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_path(path, ".json") as tmp, open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=_json_default)
 
 
 def _json_default(value: Any) -> Any:

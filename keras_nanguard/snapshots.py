@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 import zipfile
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard._atomic import atomic_path
 from keras_nanguard._host_device import (
     device_copy,
     device_room,
@@ -310,21 +310,12 @@ def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
         "n_seeds": snapshot.n_seeds,
         "learning_rate": snapshot.learning_rate,
     }
-    fd, tmp = tempfile.mkstemp(prefix=".nanguard_", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(
-                f,
-                __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                **{f"v{i}": to_host(v) for i, v in enumerate(snapshot.values)},
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX and Windows
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_path(path, ".tmp") as tmp, open(tmp, "wb") as f:
+        np.savez(
+            f,
+            __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+            **{f"v{i}": to_host(v) for i, v in enumerate(snapshot.values)},
+        )
     return path
 
 
