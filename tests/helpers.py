@@ -34,6 +34,19 @@ def mse_model(optimizer, seed: int | None = None) -> keras.Model:
     return model
 
 
+def fit_quietly(model, data, callbacks, epochs=1, **kwargs):
+    """`model.fit` on a dataset (a `PyDataset` or generator), unshuffled and
+    silent."""
+    return model.fit(
+        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
+    )
+
+
+def learning_rate(model) -> np.float32:
+    """The model's optimizer's learning rate, read from the device."""
+    return np.float32(ops.convert_to_numpy(model.optimizer.learning_rate))
+
+
 def numpy(values) -> list[np.ndarray]:
     """Copies of a list of variables/tensors as NumPy arrays."""
     return [np.array(ops.convert_to_numpy(v), copy=True) for v in values]

@@ -11,7 +11,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import keras_nanguard as ng
 from keras_nanguard import incidents, snapshots
@@ -20,6 +19,8 @@ from tests.helpers import (
     WithoutBatches,
     assert_bit_identical,
     binary_data,
+    fit_quietly,
+    learning_rate,
     numpy,
 )
 
@@ -32,16 +33,6 @@ def _model(optimizer, seed=1, dropout=False):
     model = keras.Sequential([*layers, keras.layers.Dense(1)])
     model.compile(optimizer=optimizer, loss=BINARY_LOSS)
     return model
-
-
-def _fit(model, data, callbacks, epochs=1, **kwargs):
-    return model.fit(
-        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
-    )
-
-
-def _lr(model):
-    return np.float32(ops.convert_to_numpy(model.optimizer.learning_rate))
 
 
 class _InLine(keras.callbacks.Callback):
@@ -92,7 +83,7 @@ def test_resumed_fit_never_rolls_back_past_the_backup(tmp_path, policy, guard_fi
     # Epochs 0 and 1 run; the backup holds the state at the end of epoch 1.
     first = _model(keras.optimizers.SGD(0.05))
     with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(first, data, callbacks(ng.NaNGuard(verbose=0), _Interrupt(1)), 4)
+        fit_quietly(first, data, callbacks(ng.NaNGuard(verbose=0), _Interrupt(1)), 4)
     backed_up = _model(keras.optimizers.SGD(0.05), seed=5)
     backed_up.optimizer.build(backed_up.trainable_variables)
     backed_up.load_weights(os.path.join(backup_dir, "latest.weights.h5"))
@@ -107,9 +98,9 @@ def test_resumed_fit_never_rolls_back_past_the_backup(tmp_path, policy, guard_fi
     poison = _PoisonEpoch(data, epoch=2, batch=0)
     if policy == "raise":
         with pytest.raises(ng.NonFiniteError):
-            _fit(model, data, callbacks(guard, poison), 4)
+            fit_quietly(model, data, callbacks(guard, poison), 4)
     else:
-        _fit(model, data, callbacks(guard, poison), 4)
+        fit_quietly(model, data, callbacks(guard, poison), 4)
     assert poison.epochs[0] == 2  # BackupAndRestore's `_initial_epoch`
     (inc,) = guard.incidents
     assert (inc.kind, inc.epoch, inc.step, inc.batch) == ("nonfinite_loss", 2, 0, 0)
@@ -126,8 +117,8 @@ def test_resumed_fit_never_rolls_back_past_the_backup(tmp_path, policy, guard_fi
     reference = _model(keras.optimizers.SGD(0.05), seed=5)
     reference.set_weights(backup)
     clean = WithoutBatches(x, y, 16, [0])
-    _fit(reference, clean, [])
-    _fit(reference, x, [], y=y, batch_size=16)
+    fit_quietly(reference, clean, [])
+    fit_quietly(reference, x, [], y=y, batch_size=16)
     assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
 
 
@@ -146,12 +137,12 @@ def test_path_arguments_are_checked_up_front_and_leave_no_temporary_file(tmp_pat
     guard = ng.NaNGuard(verbose=0, report_path=report)
     report.mkdir()
     with pytest.raises(ValueError, match=r"`report_path` .*Received: report_path="):
-        _fit(_model(keras.optimizers.SGD(0.05)), x, [guard], y=y, batch_size=16)
+        fit_quietly(_model(keras.optimizers.SGD(0.05)), x, [guard], y=y, batch_size=16)
     snap_dir = tmp_path / "snapshots"
     guard = ng.NaNGuard(verbose=0, directory=snap_dir)
     snap_dir.write_text("now a file")
     with pytest.raises(ValueError, match=r"`directory` .*Received: directory="):
-        _fit(_model(keras.optimizers.SGD(0.05)), x, [guard], y=y, batch_size=16)
+        fit_quietly(_model(keras.optimizers.SGD(0.05)), x, [guard], y=y, batch_size=16)
 
     # The JSON writer cleans up after itself whatever goes wrong.
     with pytest.raises(IsADirectoryError):
@@ -174,11 +165,11 @@ def test_rollback_and_restore_bring_back_the_random_stream(tmp_path):
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
     model = _model(keras.optimizers.SGD(0.05), dropout=True)
     guard = ng.NaNGuard(verbose=0, lr_factor=1.0, directory=tmp_path)
-    _fit(model, data, [guard, _InLine()])
+    fit_quietly(model, data, [guard, _InLine()])
     assert guard.rollbacks == 1
     assert "restored the snapshot of epoch 0, step 0" in guard.incidents[0].action
     reference = _model(keras.optimizers.SGD(0.05), dropout=True)
-    _fit(reference, WithoutBatches(x, y, 16, [0]), [])
+    fit_quietly(reference, WithoutBatches(x, y, 16, [0]), [])
     assert_bit_identical(numpy(reference.variables), numpy(model.variables), "state")
 
     # `NaNGuard.restore` of the final state, then one more epoch, is the same
@@ -186,8 +177,8 @@ def test_rollback_and_restore_bring_back_the_random_stream(tmp_path):
     fresh = _model(keras.optimizers.SGD(0.05), seed=3, dropout=True)
     assert ng.NaNGuard.restore(fresh, tmp_path) == 8
     assert_bit_identical(numpy(model.variables), numpy(fresh.variables), "restored")
-    _fit(model, x, [], y=y, batch_size=16)
-    _fit(fresh, x, [], y=y, batch_size=16)
+    fit_quietly(model, x, [], y=y, batch_size=16)
+    fit_quietly(fresh, x, [], y=y, batch_size=16)
     assert_bit_identical(numpy(model.variables), numpy(fresh.variables), "trained")
 
     # A file of the previous version (no random stream) still loads: the
@@ -237,12 +228,14 @@ def test_disk_snapshot_loads_with_keras_load_weights(tmp_path):
     model = _model(keras.optimizers.Adam(0.01))
     guard = ng.NaNGuard(verbose=0, directory=tmp_path, snapshot_every=2)
     files = _FilesAtEpochEnd(tmp_path)
-    _fit(model, data, [guard, files, _InLine()], epochs=2)
+    fit_quietly(model, data, [guard, files, _InLine()], epochs=2)
     assert guard.rollbacks == 2  # batch 3 of each epoch
     # Writing the file put the model's own values back: the guarded run is
     # the same as one that writes no files.
     unwritten = _model(keras.optimizers.Adam(0.01))
-    _fit(unwritten, data, [ng.NaNGuard(verbose=0, snapshot_every=2), _InLine()], 2)
+    fit_quietly(
+        unwritten, data, [ng.NaNGuard(verbose=0, snapshot_every=2), _InLine()], 2
+    )
     assert_bit_identical(numpy(unwritten.weights), numpy(model.weights), "weights")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
@@ -283,11 +276,11 @@ def test_learning_rate_spike_keeps_a_cut_made_during_the_spike():
     model = _model(keras.optimizers.SGD(1e-3))
     spike = ng.faults.LearningRateSpike(at_steps=[2, 3, 4, 5], factor=1000)
     guard = ng.NaNGuard(verbose=0)
-    _fit(model, data, [spike, guard])
+    fit_quietly(model, data, [spike, guard])
     (inc,) = guard.incidents
     assert inc.learning_rate == (1.0, 0.5)
     assert "learning rate 1 -> 0.5" in inc.action
-    assert _lr(model) == np.float32(5e-4)
+    assert learning_rate(model) == np.float32(5e-4)
 
 
 # --------------------------------------- finding 10d: learning-rate schedules
@@ -299,7 +292,7 @@ def test_schedule_that_cannot_be_lowered_is_said():
     guard = ng.NaNGuard(verbose=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit(model, data, [guard])
+        fit_quietly(model, data, [guard])
     ours = [str(w.message) for w in caught if "NaNGuard" in str(w.message)]
     assert len(ours) == 1
     assert "`lr_factor=0.5`" in ours[0] and "schedule" in ours[0]
@@ -311,7 +304,7 @@ def test_schedule_that_cannot_be_lowered_is_said():
     # lr_factor=1 asks for no cut: no warning.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit(model, data, [ng.NaNGuard(verbose=0, lr_factor=1.0)])
+        fit_quietly(model, data, [ng.NaNGuard(verbose=0, lr_factor=1.0)])
     assert [w for w in caught if "NaNGuard" in str(w.message)] == []
 
 
@@ -323,7 +316,7 @@ def test_nonfinite_validation_figures_are_an_incident_not_trouble():
 
     def run(callbacks):
         model = _model(keras.optimizers.SGD(0.05))
-        history = _fit(
+        history = fit_quietly(
             model,
             x,
             callbacks,

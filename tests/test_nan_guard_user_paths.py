@@ -24,6 +24,8 @@ from tests.helpers import (
     all_finite,
     assert_bit_identical,
     binary_data,
+    fit_quietly,
+    learning_rate,
     numpy,
 )
 
@@ -56,16 +58,6 @@ def _model(optimizer, kind="input", seed=1, compile=True, **compile_kwargs):
     return model
 
 
-def _fit(model, data, callbacks, epochs=1, **kwargs):
-    return model.fit(
-        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
-    )
-
-
-def _lr(model):
-    return np.float32(ops.convert_to_numpy(model.optimizer.learning_rate))
-
-
 class _Weights(keras.callbacks.Callback):
     """Listed after NaNGuard: the weights at train begin (when they exist) and
     after every batch."""
@@ -86,10 +78,10 @@ UNBUILT = ["sequential", "subclassed"]
 def test_model_built_by_fit_trains_as_without_nan_guard(kind):
     x, y = binary_data()
     plain = _model(keras.optimizers.Adam(0.01), kind)
-    _fit(plain, x, [], y=y, batch_size=16)
+    fit_quietly(plain, x, [], y=y, batch_size=16)
     model = _model(keras.optimizers.Adam(0.01), kind)
     guard = ng.NaNGuard(verbose=0)
-    _fit(model, x, [guard], y=y, batch_size=16)
+    fit_quietly(model, x, [guard], y=y, batch_size=16)
     assert guard.incidents == []
     assert_bit_identical(numpy(plain.weights), numpy(model.weights), "weights")
     assert_bit_identical(
@@ -103,7 +95,7 @@ def test_model_built_by_fit_is_rolled_back_to_its_first_snapshot(kind):
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     model = _model(keras.optimizers.SGD(0.05), kind)
     guard, weights = ng.NaNGuard(verbose=0), _Weights()
-    _fit(model, data, [guard, weights])
+    fit_quietly(model, data, [guard, weights])
     (inc,) = guard.incidents
     assert (inc.kind, inc.step, inc.batch) == ("nonfinite_loss", 3, 3)
     # On TensorFlow the model has no variables at train begin: the first
@@ -123,12 +115,12 @@ def test_model_built_by_fit_bad_first_step_with_safe_optimizer(kind):
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[0], target="y")
     model = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
     guard = ng.NaNGuard(verbose=0)
-    _fit(model, data, [guard])
+    fit_quietly(model, data, [guard])
     assert [(i.kind, i.step, i.action) for i in guard.incidents] == [
         ("rejected_step", 0, "none")
     ]
     reference = _model(ng.SafeOptimizer(keras.optimizers.Adam(0.01)), kind)
-    _fit(reference, WithoutBatches(x, y, 16, [0]), [])
+    fit_quietly(reference, WithoutBatches(x, y, 16, [0]), [])
     assert_bit_identical(numpy(reference.weights), numpy(model.weights), "weights")
 
 
@@ -140,10 +132,10 @@ def test_model_built_by_fit_bad_first_step_with_plain_optimizer(kind):
     guard, weights = ng.NaNGuard(verbose=0), _Weights()
     if BACKEND == "tensorflow":  # no state before step 0 to go back to
         with pytest.raises(ng.NonFiniteError, match=r"first step.*built by `fit`"):
-            _fit(model, data, [guard, weights])
+            fit_quietly(model, data, [guard, weights])
         assert [i.kind for i in guard.incidents] == ["nonfinite_loss"]
         return
-    _fit(model, data, [guard, weights])
+    fit_quietly(model, data, [guard, weights])
     assert guard.incidents[0].action.startswith("rolled back")
     assert_bit_identical(weights.at_begin, weights.after[0], "weights")
 
@@ -177,7 +169,7 @@ def test_steps_per_execution_replay_keeps_the_bad_batch_and_counts_steps():
     y_bad = ng.faults.poison(y, rows=[40])  # batch 2, first of its group
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)), steps_per_execution=2)
     guard = ng.NaNGuard(verbose=0, replay=(x, y_bad), batch_size=16, check_every=1)
-    _fit(model, x, [guard], y=y_bad, batch_size=16, epochs=2)
+    fit_quietly(model, x, [guard], y=y_bad, batch_size=16, epochs=2)
     assert [(i.kind, i.epoch, i.step, i.batch) for i in guard.incidents] == [
         ("rejected_step", 0, 2, 2),
         ("rejected_step", 1, 9, 2),  # 7 steps in epoch 0, not 4 executions
@@ -194,7 +186,7 @@ def test_steps_per_execution_unknown_bad_step_keeps_the_whole_group():
     x, y = binary_data()
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)), steps_per_execution=2)
     guard = ng.NaNGuard(verbose=0, replay=(x, y), batch_size=16, check_every=1)
-    _fit(model, x, [_InfiniteLearningRate(4), guard], y=y, batch_size=16)
+    fit_quietly(model, x, [_InfiniteLearningRate(4), guard], y=y, batch_size=16)
     (inc,) = guard.incidents
     assert (inc.kind, inc.step, inc.batch, inc.steps) == ("rejected_step", 4, 4, 2)
     assert "rejected 2 steps in steps 4-5" in inc.detail
@@ -208,7 +200,7 @@ def test_disk_snapshot_is_the_final_state_when_fit_returns(tmp_path):
     x, y = binary_data()
     model = _model(keras.optimizers.Adam(0.01))
     guard = ng.NaNGuard(verbose=0, directory=tmp_path)
-    _fit(model, x, [guard], y=y, batch_size=16)  # 8 clean steps
+    fit_quietly(model, x, [guard], y=y, batch_size=16)  # 8 clean steps
     fresh = _model(keras.optimizers.Adam(0.01), seed=9)
     assert ng.NaNGuard.restore(fresh, tmp_path) == 8
     assert_bit_identical(numpy(model.weights), numpy(fresh.weights), "weights")
@@ -222,21 +214,23 @@ def test_disk_snapshot_carries_the_learning_rate_nan_guard_lowered(tmp_path):
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     model = _model(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard(verbose=0, directory=tmp_path)
-    _fit(model, data, [guard])
+    fit_quietly(model, data, [guard])
     assert guard.rollbacks == 1
     lowered = np.float32(0.025)
-    assert _lr(model) == lowered
+    assert learning_rate(model) == lowered
     assert snapshots.load(tmp_path).learning_rate == float(lowered)
     fresh = _model(keras.optimizers.SGD(0.05), seed=9)
     assert ng.NaNGuard.restore(fresh, tmp_path) == 8
-    assert _lr(fresh) == lowered
+    assert learning_rate(fresh) == lowered
     assert_bit_identical(numpy(model.weights), numpy(fresh.weights), "weights")
 
 
 def test_restore_into_an_uncompiled_model_for_inference(tmp_path):
     x, y = binary_data()
     model = _model(keras.optimizers.Adam(0.01))
-    _fit(model, x, [ng.NaNGuard(verbose=0, directory=tmp_path)], y=y, batch_size=16)
+    fit_quietly(
+        model, x, [ng.NaNGuard(verbose=0, directory=tmp_path)], y=y, batch_size=16
+    )
 
     infer = _model(None, seed=9, compile=False)
     assert ng.NaNGuard.restore(infer, tmp_path) == 8
@@ -374,7 +368,7 @@ def test_nonfinite_metric_has_its_own_kind_and_keeps_the_finite_loss():
     def run(callbacks, metric):
         model = _model(None, compile=False)
         model.compile(keras.optimizers.SGD(0.05), loss=BINARY_LOSS, metrics=[metric])
-        return model, _fit(model, x, callbacks, y=y, batch_size=16, epochs=2)
+        return model, fit_quietly(model, x, callbacks, y=y, batch_size=16, epochs=2)
 
     def mae(y_true, y_pred):
         return ops.mean(ops.abs(y_true - y_pred))
