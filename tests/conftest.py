@@ -3,6 +3,10 @@
 Two devices are made available for the distribution tests, before the
 backend initialises: two logical CPUs on TensorFlow, two host devices on JAX.
 Single-device code (everything else) still runs on the first one.
+
+Tests marked `backend_free` need no backend; `python -m tests` runs them under
+one backend and sets NANGUARD_SKIP_BACKEND_FREE=1 for the others, where they
+are skipped. A plain `pytest` run (one backend) runs them.
 """
 
 import os
@@ -28,8 +32,23 @@ if BACKEND == "tensorflow":
     )
 
 
+SKIP_BACKEND_FREE = os.environ.get("NANGUARD_SKIP_BACKEND_FREE") == "1"
+
+
 def pytest_report_header(config):
-    return f"keras {keras.__version__}, KERAS_BACKEND={BACKEND}"
+    header = f"keras {keras.__version__}, KERAS_BACKEND={BACKEND}"
+    if SKIP_BACKEND_FREE:
+        header += " (backend_free tests skipped: run under another backend)"
+    return header
+
+
+def pytest_collection_modifyitems(config, items):
+    if not SKIP_BACKEND_FREE:
+        return
+    skip = pytest.mark.skip(reason="backend_free: `python -m tests` runs it once")
+    for item in items:
+        if item.get_closest_marker("backend_free"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
