@@ -18,6 +18,8 @@ if os.environ["KERAS_BACKEND"] == "jax":
     if "xla_force_host_platform_device_count" not in _flags:
         os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=2"
 
+import gc
+
 import keras
 import pytest
 
@@ -40,6 +42,16 @@ def pytest_report_header(config):
     if SKIP_BACKEND_FREE:
         header += " (backend_free tests skipped: run under another backend)"
     return header
+
+
+def pytest_collection_finish(session):
+    # What is alive now (the backend, every test module and its imports)
+    # lives as long as the run: out of the collector's sight, the
+    # `gc.collect()` of each test's `clear_session` takes milliseconds, not
+    # 0.25-0.7 s (measured on 2 CPU cores: JAX 0.25 s, TensorFlow 0.63 s,
+    # torch 0.69 s).
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
