@@ -54,7 +54,21 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# Docstring examples that use no backend (NumPy, pure Python), marked here.
+BACKEND_FREE_DOCTESTS = {
+    "keras_nanguard.causes",
+    "keras_nanguard.causes.hints_for",
+    "keras_nanguard.errors.NonFiniteError",
+    "keras_nanguard.faults.LearningRateSpike",
+    "keras_nanguard.faults.PoisonedBatches",
+    "keras_nanguard.faults.poison",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and item.name in BACKEND_FREE_DOCTESTS:
+            item.add_marker(pytest.mark.backend_free)
     if not SKIP_BACKEND_FREE:
         return
     skip = pytest.mark.skip(reason="backend_free: `python -m tests` runs it once")
