@@ -79,7 +79,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_keras():
-    keras.utils.clear_session()
+    keras.utils.clear_session()  # collects the garbage of the tests before
+    gc.freeze()  # and what outlived them: the next collection skips it
     keras.utils.set_random_seed(0)
     policy = keras.config.dtype_policy()
     yield
