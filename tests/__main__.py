@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ FAST_MARKERS = "not slow and not notebooks"
 
 
 def _run(cmd: list[str]) -> int:
-    print(f"\n$ {' '.join(cmd)}", flush=True)
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
     return subprocess.call(cmd)
 
 
@@ -48,7 +49,7 @@ def _pytest(
     code, output (streamed instead when not `capture`), seconds."""
     cmd = [sys.executable, "-m", "pytest", *pytest_args]
     skip = "" if backend_free else "NANGUARD_SKIP_BACKEND_FREE=1 "
-    header = f"$ {skip}KERAS_BACKEND={backend} {' '.join(cmd)}\n"
+    header = f"$ {skip}KERAS_BACKEND={backend} {shlex.join(cmd)}\n"
     if not capture:
         print(header, end="", flush=True)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if capture else {}
