@@ -1,60 +1,97 @@
 """Run the whole check: ruff, then the test suite once per Keras backend.
 
-Usage: `python -m tests [--backends tensorflow,jax,torch] [--jobs N] [pytest args...]`.
+Usage: `python -m tests [--fast] [--backends tensorflow,jax,torch] [--jobs N]
+[--no-lint] [pytest args...]`.
 Each backend runs in its own process (Keras picks its backend at import),
 `--jobs` of them at a time (default: one per CPU core, at most 3; on a
 2-core VM the whole check took 1666 s, against 2602 s with `--jobs 1`).
 With more than one at a time, each backend's output is printed whole when
 it ends. Any failure, and also pytest's exit code 5 ("no tests collected"),
 fails the run.
+
+Tests marked `backend_free` (NumPy and pure-Python code, argument checks
+that raise before any tensor exists) run under one backend only: JAX when it
+is among `--backends` (TensorFlow's run already carries the notebooks),
+else the first listed; the other backends skip them
+(NANGUARD_SKIP_BACKEND_FREE=1, see tests/conftest.py).
+
+`--fast`: a quick local run, not the whole check: pytest with
+`-m "not slow and not notebooks"` (no long scenarios, no notebook
+execution), on TensorFlow only unless `--backends` is given; a `-m` among
+the pytest args replaces that selection. CI (`.ci/run`) runs everything:
+plain `python -m tests`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 BACKENDS = ("tensorflow", "jax", "torch")
+BACKEND_FREE_ON = ("jax", "torch", "tensorflow")  # the first one present
+FAST_MARKERS = "not slow and not notebooks"
 
 
 def _run(cmd: list[str]) -> int:
-    print(f"\n$ {' '.join(cmd)}", flush=True)
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
     return subprocess.call(cmd)
 
 
 def _pytest(
-    backend: str, pytest_args: list[str], capture: bool
+    backend: str, pytest_args: list[str], capture: bool, backend_free: bool
 ) -> tuple[int, str, float]:
-    """The suite under `backend`: exit code, output (streamed instead when
-    not `capture`), seconds."""
+    """The suite under `backend` (with its `backend_free` tests or not): exit
+    code, output (streamed instead when not `capture`), seconds."""
     cmd = [sys.executable, "-m", "pytest", *pytest_args]
-    header = f"$ KERAS_BACKEND={backend} {' '.join(cmd)}\n"
+    skip = "" if backend_free else "NANGUARD_SKIP_BACKEND_FREE=1 "
+    header = f"$ {skip}KERAS_BACKEND={backend} {shlex.join(cmd)}\n"
     if not capture:
         print(header, end="", flush=True)
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if capture else {}
     env = dict(os.environ, KERAS_BACKEND=backend)
+    env.pop("NANGUARD_SKIP_BACKEND_FREE", None)
+    if not backend_free:
+        env["NANGUARD_SKIP_BACKEND_FREE"] = "1"
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, text=True, **pipes)
     output = header + done.stdout if capture else ""
     return done.returncode, output, time.perf_counter() - start
 
 
-def main() -> int:
+def _arguments() -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The options, the backends to run and the arguments for pytest."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--backends", default=None)
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 3))
     parser.add_argument("--no-lint", action="store_true")
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help=f'-m "{FAST_MARKERS}", on TensorFlow unless --backends is given',
+    )
     args, pytest_args = parser.parse_known_args()
+    if args.backends is None:
+        args.backends = "tensorflow" if args.fast else ",".join(BACKENDS)
+    if args.fast:  # a later -m of the user's wins
+        pytest_args = ["-m", FAST_MARKERS, *pytest_args]
     backends = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown:
-        parser.error(f"--backends must be among {BACKENDS}. Received: {unknown}")
+    if unknown or not backends:
+        parser.error(
+            f"--backends must be among {BACKENDS}. Received: {unknown or args.backends!r}"
+        )
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1. Received: {args.jobs}")
+    return args, backends, pytest_args
+
+
+def main() -> int:
+    args, backends, pytest_args = _arguments()
 
     failures, start = [], time.perf_counter()
     if not args.no_lint:
@@ -62,10 +99,18 @@ def main() -> int:
             if _run([sys.executable, "-m", *cmd]) != 0:
                 failures.append(" ".join(cmd))
     jobs = min(args.jobs, len(backends))
-    print(f"\npytest on {', '.join(backends)}, {jobs} at a time", flush=True)
+    free_on = next(b for b in BACKEND_FREE_ON if b in backends)
+    print(
+        f"\npytest on {', '.join(backends)}, {jobs} at a time; "
+        f"backend_free tests on {free_on} only",
+        flush=True,
+    )
     with ThreadPoolExecutor(jobs) as pool:
         capture = jobs > 1  # one at a time: streamed
-        runs = {pool.submit(_pytest, b, pytest_args, capture): b for b in backends}
+        runs = {
+            pool.submit(_pytest, b, pytest_args, capture, b == free_on): b
+            for b in backends
+        }
         for run in as_completed(runs):
             backend, (code, output, seconds) = runs[run], run.result()
             print(f"\n{output}[{backend}] pytest exit code {code} in {seconds:.0f} s")

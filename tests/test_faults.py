@@ -15,6 +15,7 @@ from tests.helpers import numpy
 
 
 # ----------------------------------------------------------------- poison
+@pytest.mark.backend_free
 def test_poison_default_is_the_first_entry_of_the_first_sample_in_a_copy():
     x = np.arange(12, dtype="int64").reshape(4, 3)
     out = faults.poison(x)
@@ -27,6 +28,7 @@ def test_poison_default_is_the_first_entry_of_the_first_sample_in_a_copy():
     assert faults.poison(np.ones((2, 2), "float16")).dtype == np.float32
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("value", "expected"),
     [("inf", math.inf), ("-inf", -math.inf), ("NaN", math.nan), (7.5, 7.5), (3, 3.0)],
@@ -41,12 +43,14 @@ def test_poison_rows_and_flattened_columns(value, expected):
     np.testing.assert_array_equal(out[mask], np.float32(expected))
 
 
+@pytest.mark.backend_free
 def test_poison_whole_samples_with_columns_none():
     out = faults.poison(np.ones((3, 2, 2), "float32"), rows=2, columns=None)
     assert np.isnan(out[2]).all()
     np.testing.assert_array_equal(out[:2], 1.0)
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -60,11 +64,13 @@ def test_poison_refuses_bad_values(kwargs, error, match):
         faults.poison(np.ones((2, 2)), **kwargs)
 
 
+@pytest.mark.backend_free
 def test_poison_refuses_a_scalar():
     with pytest.raises(ValueError, match=r"sample axis\. Received: x.shape=\(\)"):
         faults.poison(1.0)
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -84,6 +90,7 @@ def _xy(n=10):
     return x, np.arange(n, dtype="float32").reshape(n, 1) + 100
 
 
+@pytest.mark.backend_free
 def test_poisoned_batches_poison_the_first_rows_of_the_chosen_batch_only():
     x, y = _xy()
     ds = faults.PoisonedBatches(x, y, batch_size=4, bad_batches=[1], rows=2)
@@ -103,6 +110,7 @@ def test_poisoned_batches_poison_the_first_rows_of_the_chosen_batch_only():
     np.testing.assert_array_equal(x, _xy()[0])  # the source is not modified
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize("target", ["y", "both"])
 def test_poisoned_batches_target(target):
     x, y = _xy()
@@ -119,6 +127,7 @@ def test_poisoned_batches_target(target):
         np.testing.assert_array_equal(bx, x[:5])
 
 
+@pytest.mark.backend_free
 def test_poisoned_batches_value_per_batch_and_rows_capped_by_the_last_batch():
     x, _ = _xy()
     ds = faults.PoisonedBatches(
@@ -133,6 +142,7 @@ def test_poisoned_batches_value_per_batch_and_rows_capped_by_the_last_batch():
     assert ds.poisoned == [0, 2]
 
 
+@pytest.mark.backend_free
 def test_poisoned_batches_shuffle_keeps_every_sample_and_the_bad_batch():
     x, y = _xy(8)
     ds = faults.PoisonedBatches(x, y, batch_size=4, bad_batches=[1], shuffle=True)
@@ -146,6 +156,7 @@ def test_poisoned_batches_shuffle_keeps_every_sample_and_the_bad_batch():
     np.testing.assert_array_equal(x1[1:], x[order[5:]])
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -165,6 +176,7 @@ def test_poisoned_batches_refuse_bad_arguments(kwargs, error, match):
         faults.PoisonedBatches(x, y, **{"batch_size": 4, **kwargs})
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("bad_batches", "error", "match"),
     [
@@ -181,6 +193,7 @@ def test_poisoned_batches_name_bad_batches_as_given(bad_batches, error, match):
         faults.PoisonedBatches(x, y, batch_size=4, bad_batches=bad_batches)
 
 
+@pytest.mark.backend_free
 def test_poisoned_batches_refuse_mismatched_or_missing_targets():
     x, y = _xy()
     with pytest.raises(ValueError, match=r"len\(x\)=10, len\(y\)=9"):
@@ -247,6 +260,7 @@ def test_gradient_fault_is_the_identity_forward_and_without_steps():
     assert faults.GradientFault(at_steps=np.int64(4)).at_steps == (4,)
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -358,6 +372,7 @@ def test_learning_rate_spike_callback_covers_exactly_its_steps(wrap):
     assert _lr(inner).tobytes() == original.tobytes()
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -118,6 +118,7 @@ def test_off_by_default(digits):
     assert guard.incidents == []  # the spike is finite: nothing else sees it
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     "kwargs, error",
     [
@@ -139,6 +140,7 @@ def test_argument_errors(kwargs, error):
         ng.NaNGuard(**kwargs)
 
 
+@pytest.mark.backend_free
 def test_config_round_trip(tmp_path):
     guard = ng.NaNGuard(
         loss_spike_sigma=4.5, loss_spike_window=32, loss_spike_patience=2

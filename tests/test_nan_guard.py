@@ -44,6 +44,7 @@ def _fit(model, data, callbacks, epochs=1, **kwargs):
 
 
 # --------------------------------------------------------------- arguments
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -77,6 +78,7 @@ def test_bad_arguments_get_clear_errors(kwargs, match):
         ng.NaNGuard(**kwargs)
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -107,6 +109,7 @@ def test_arguments_of_the_wrong_type_get_type_errors(kwargs, match):
         ng.NaNGuard(**kwargs)
 
 
+@pytest.mark.backend_free
 def test_numpy_scalars_and_paths_are_accepted_as_plain_values(tmp_path):
     guard = ng.NaNGuard(
         np.str_("stop"),
@@ -165,6 +168,7 @@ def test_model_already_nan_is_refused():
         model.fit(x, y, verbose=0, callbacks=[ng.NaNGuard()])
 
 
+@pytest.mark.backend_free
 def test_config_round_trip():
     guard = ng.NaNGuard("stop", snapshot_every=7, lr_factor=0.25, patience=2)
     clone = ng.NaNGuard.from_config(guard.get_config())

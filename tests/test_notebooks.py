@@ -1,8 +1,12 @@
 """The notebooks execute, and the claims they make hold, as ordinary assertions
-on the same code (`notebooks/tutorial.py`). TensorFlow backend only: the
-notebooks' custom loops use `tf.GradientTape`, as the user's code does."""
+on the figures of that very run: each notebook is executed once (in a Jupyter
+kernel, as a reader runs it), then one extra cell, not stored, prints what its
+claims need (`FIGURES`), and the `test_*_claims` tests assert those claims.
+The notebooks' code lives in `notebooks/tutorial.py`. TensorFlow backend only:
+the notebooks' custom loops use `tf.GradientTape`, as the user's code does."""
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -17,6 +21,7 @@ sys.path.insert(0, NOTEBOOKS)
 
 pytestmark = [
     pytest.mark.slow,  # minutes of training: `-m "not slow"` leaves them out
+    pytest.mark.notebooks,  # every test here executes a notebook
     pytest.mark.skipif(
         BACKEND != "tensorflow", reason="the notebooks run on the TensorFlow backend"
     ),
@@ -26,6 +31,77 @@ pytestmark = [
 # TensorFlow's start-up lines; none may reach a notebook's outputs.
 NOISE = ("oneDNN", "cpu_feature_guard", "absl::InitializeLog", "TF_ENABLE_ONEDNN")
 MAX_BYTES = 400_000  # a notebook with its figures: small PNGs, no embedded data
+
+# Per notebook, what its claims tests read from the executed kernel: a name and
+# the expression (over the notebook's variables) that gives it. A few are
+# computed there, after the notebook's cells, on the notebook's own objects.
+FIGURES = {
+    "01_quickstart.ipynb": {
+        "plain_weights_finite": "plain['weights_finite']",
+        "plain_first_nonfinite_step": "plain['first_nonfinite_step']",
+        "guarded_weights_finite": "guarded['weights_finite']",
+        "guarded_test_accuracy": "guarded['test_accuracy']",
+        "guarded_rollbacks": "guarded['guard'].rollbacks",
+        "guarded_loss": "guarded['history']['loss']",
+        "guarded_rejected": "guarded['batches'].rejected",
+    },
+    "02_actor_critic.ipynb": {
+        "broken_nan_episode": "broken.nan_episode",
+        "broken_crash": "broken.crash",
+        "report": "(report.stage, report.layer, report.causes)",
+        # the table's second row: the user's agent with stable log-probs only
+        "steps": "[(name, change) for name, change in steps]",
+        "rows": "[(name, r.nan_episode, r.crash, len(r.rewards)) for name, r in rows]",
+        "fixed_nan_episode": "fixed.nan_episode",
+        "fixed_solved_at": "fixed.solved_at",
+        "fixed_final_running": "fixed.final_running",
+        "early_episodes": "episodes",
+        "early_plain_config": "dataclasses.asdict(tutorial.RETURNS_UNNORMALISED)",
+        "early_guarded_config": "dataclasses.asdict(guarded_config)",
+        "early_runs": "[dict(rewards=len(r.rewards), grad_norms=len(r.grad_norms),"
+        " nan_episode=r.nan_episode, crash=r.crash,"
+        " follows=tutorial.norm_follows_length(r), spikes=r.spikes,"
+        " skipped_steps=r.skipped_steps) for r in (plain, guarded)]",
+    },
+    "03_image_observations.ipynb": {
+        name: f"({name}['nan_step'], {name}['skipped'], {name}['accuracy'])"
+        for name in ("plain", "guarded", "fixed")
+    },
+    "04_diagnosing.ipynb": {
+        "collapse": "collapse",
+        # `report` is the loop's last by then: the zero-column report again
+        "zeroed_column": "int(np.argmin(np.linalg.norm(V, axis=0)))",
+        "report": "_figures_report()",
+        # as the claims test had it: column 0 of the trained ReLU critic's
+        # 'wn2' zeroed (the notebook zeroed its smallest column, kept zero)
+        "column_0_report": "_figures_report(zero_column_0=True)",
+        "g_init_1e3_healthy": "{act: reports[act, 'glorot'].healthy"
+        " for act in ('tanh', 'relu')}",
+    },
+}
+
+_PRELUDE = {
+    "04_diagnosing.ipynb": """
+def _figures_report(zero_column_0=False):
+    if zero_column_0:
+        v = layer.V.numpy()
+        v[:, 0] = 0.0
+        layer.V.assign(v)
+    r = ng.diagnose(relu_critic, states[:64], returns[:64])
+    return (r.stage, r.layer, r.causes)
+""",
+}
+_MARK = "NOTEBOOK_FIGURES "
+
+
+def _figures_cell(name):
+    """The source of the extra cell: prints `FIGURES[name]`, evaluated, as JSON."""
+    items = ", ".join(f"{k!r}: {v}" for k, v in FIGURES[name].items())
+    return (
+        "import json as _json\n" + _PRELUDE.get(name, "") + "def _plain(o):\n"
+        "    return o.tolist() if hasattr(o, 'tolist') else list(o)\n"
+        f"print({_MARK!r} + _json.dumps({{{items}}}, default=_plain))\n"
+    )
 
 
 def _plots(cell):
@@ -62,13 +138,17 @@ def kernel_env():
     return env
 
 
-def execute(path):
+def execute(path, figures=None):
     """The notebook at `path`, executed in a fresh Jupyter kernel from
-    `notebooks/`, as a reader would run it."""
+    `notebooks/`, as a reader would run it. With `figures` (a cell's source),
+    that cell runs last, in the same kernel, and `(notebook, its stdout)` is
+    returned; the cell is not left in the notebook."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
+    if figures is not None:
+        nb.cells.append(nbformat.v4.new_code_cell(figures))
     client = NotebookClient(
         nb,
         timeout=600,
@@ -77,10 +157,36 @@ def execute(path):
         record_timing=False,  # no timestamps in the committed files
     )
     client.execute(env=kernel_env())  # raises CellExecutionError on a failing cell
-    return nb
+    if figures is None:
+        return nb
+    extra = nb.cells.pop()
+    stdout = "".join(
+        o.get("text", "")
+        for o in extra.outputs
+        if o.output_type == "stream" and o.name == "stdout"
+    )
+    return nb, stdout
 
 
-@pytest.mark.notebooks
+_EXECUTED: dict = {}  # name -> (notebook, figures), or the exception it raised
+
+
+def executed(name):
+    """`name` executed (once per test session) and its `FIGURES`, read from
+    the kernel after the notebook's own cells."""
+    if name not in _EXECUTED:
+        try:
+            nb, stdout = execute(os.path.join(NOTEBOOKS, name), _figures_cell(name))
+            lines = [ln for ln in stdout.splitlines() if ln.startswith(_MARK)]
+            assert len(lines) == 1, f"{name}: no figures in {stdout[-500:]!r}"
+            _EXECUTED[name] = (nb, json.loads(lines[0][len(_MARK) :]))
+        except Exception as err:  # a failed run fails its claims too, unrun
+            _EXECUTED[name] = err
+    if isinstance(_EXECUTED[name], Exception):
+        raise _EXECUTED[name]
+    return _EXECUTED[name]
+
+
 @pytest.mark.parametrize(
     "name",
     sorted(f for f in os.listdir(NOTEBOOKS) if f.endswith(".ipynb")),
@@ -97,53 +203,51 @@ def test_notebook_executes_and_shows_its_figures(name):
     # (`python -m tests.test_notebooks` re-executes and stores them).
     _check_outputs(stored, f"{name} as committed")
     assert os.path.getsize(path) < MAX_BYTES
-    _check_outputs(execute(path), f"{name} executed")
+    assert name in FIGURES, f"{name}: no FIGURES entry (and no claims test)"
+    _check_outputs(executed(name)[0], f"{name} executed")
 
 
 def test_quickstart_claims():
-    import tutorial
-
-    plain = tutorial.train_digits(guarded=False)
-    assert not plain["weights_finite"]
-    assert plain["first_nonfinite_step"] == 12  # the poisoned batch
-    guarded = tutorial.train_digits(guarded=True)
-    assert guarded["weights_finite"] and guarded["test_accuracy"] > 0.9
-    guard = guarded["guard"]
-    assert guard.rollbacks == 1
-    assert np.isfinite(guarded["history"]["loss"]).all()
+    f = executed("01_quickstart.ipynb")[1]
+    # plain = tutorial.train_digits(guarded=False)
+    assert not f["plain_weights_finite"]
+    assert f["plain_first_nonfinite_step"] == 12  # the poisoned batch
+    # guarded = tutorial.train_digits(guarded=True)
+    assert f["guarded_weights_finite"] and f["guarded_test_accuracy"] > 0.9
+    assert f["guarded_rollbacks"] == 1
+    assert np.isfinite(f["guarded_loss"]).all()
     # The poisoned batch of each of the 6 epochs, and steps 101 and 103 after
     # the spike at step 100 (102 is epoch 2's poisoned batch), as the
     # notebook's summary lists them.
-    assert sum(guarded["batches"].rejected) == 8
+    assert sum(f["guarded_rejected"]) == 8
 
 
 def test_actor_critic_claims():
     import tutorial
 
-    import keras_nanguard as ng
+    f = executed("02_actor_critic.ipynb")[1]
+    # broken = tutorial.train_agent(tutorial.AgentConfig(), episodes=10)
+    assert f["broken_nan_episode"] == 1  # NaN after the second episode's update
+    assert "Probabilities contain NaN" in f["broken_crash"]
 
-    broken = tutorial.train_agent(tutorial.AgentConfig(), episodes=10)
-    assert broken.nan_episode == 1  # NaN after the second episode's update
-    assert "Probabilities contain NaN" in broken.crash
+    # the update of episode 1, captured and diagnosed
+    stage, layer, causes = f["report"]
+    assert (stage, layer, causes[0]) == ("loss", "actor", "log_of_zero")
 
-    run = tutorial.train_agent(tutorial.AgentConfig(), episodes=2, capture_episode=1)
-    weights, x, y = run.captured
-    agent = tutorial.make_agent(tutorial.AgentConfig())
-    agent.set_weights(weights)
-    report = ng.diagnose(agent, x, y, loss=tutorial.agent_loss(tutorial.AgentConfig()))
-    assert (report.stage, report.layer, report.causes[0]) == (
-        "loss",
-        "actor",
-        "log_of_zero",
-    )
-
+    # The table's second row trains AgentConfig(stable_log_probs=True) for
+    # (at most) 30 episodes: the run the claims test had.
+    (_, first), (_, second) = f["steps"][:2]
+    assert first == {} and second == {"stable_log_probs": True}
     stable = dataclasses.replace(tutorial.AgentConfig(), stable_log_probs=True)
-    r = tutorial.train_agent(stable, episodes=30)
-    assert r.nan_episode is None and r.crash is None
+    assert dataclasses.replace(tutorial.AgentConfig(), **second) == stable
+    _, nan_episode, crash, n_episodes = f["rows"][1]
+    assert nan_episode is None and crash is None
+    assert n_episodes == 30  # not solved, not crashed: all 30 played
 
-    fixed = tutorial.train_agent(tutorial.FIXED, episodes=300)
-    assert fixed.nan_episode is None
-    assert fixed.solved_at is not None and fixed.final_running > tutorial.SOLVED
+    # fixed = tutorial.train_agent(tutorial.FIXED, episodes=300)
+    assert f["fixed_nan_episode"] is None
+    assert f["fixed_solved_at"] is not None
+    assert f["fixed_final_running"] > tutorial.SOLVED
 
 
 def test_actor_critic_early_warning_claims():
@@ -159,81 +263,50 @@ def test_actor_critic_early_warning_claims():
     locked on the climb would reject every later step."""
     import tutorial
 
+    f = executed("02_actor_critic.ipynb")[1]
     episodes = tutorial.EARLY_WARNING_EPISODES
-    plain = tutorial.train_agent(
-        tutorial.RETURNS_UNNORMALISED, episodes=episodes, stop_when_solved=False
-    )
+    assert f["early_episodes"] == episodes
+    # the notebook's two runs are the ones this test trained before
     config = dataclasses.replace(tutorial.RETURNS_UNNORMALISED, **tutorial.SPIKE_GUARD)
-    guarded = tutorial.train_agent(config, episodes=episodes, stop_when_solved=False)
+    assert f["early_plain_config"] == dataclasses.asdict(tutorial.RETURNS_UNNORMALISED)
+    assert f["early_guarded_config"] == dataclasses.asdict(config)
+    plain, guarded = f["early_runs"]
     for run in (plain, guarded):
-        assert len(run.rewards) == len(run.grad_norms) == episodes
-        assert run.nan_episode is None and run.crash is None  # nothing is NaN
+        assert run["rewards"] == run["grad_norms"] == episodes
+        assert run["nan_episode"] is None and run["crash"] is None  # nothing is NaN
         # the gradient norm follows the episode length
-        assert tutorial.norm_follows_length(run) > 0.5
-    assert plain.spikes == [] and plain.skipped_steps == 0
-    assert len(guarded.spikes) == episodes
-    assert guarded.skipped_steps == sum(guarded.spikes) <= episodes // 20
+        assert run["follows"] > 0.5
+    assert plain["spikes"] == [] and plain["skipped_steps"] == 0
+    assert len(guarded["spikes"]) == episodes
+    assert guarded["skipped_steps"] == sum(guarded["spikes"]) <= episodes // 20
 
 
 def test_image_observation_claims():
-    import tutorial
-
-    plain = tutorial.train_image_policy(stable=False, safe=False)
-    assert plain["nan_step"] is not None
-    guarded = tutorial.train_image_policy(stable=False, safe=True)
-    assert guarded["nan_step"] is None and guarded["skipped"] == 42
-    assert guarded["accuracy"] >= 0.9
-    fixed = tutorial.train_image_policy(stable=True, safe=True)
-    assert fixed["nan_step"] is None and fixed["skipped"] == 0
-    assert fixed["accuracy"] >= 0.9
+    f = executed("03_image_observations.ipynb")[1]
+    # tutorial.train_image_policy(stable=..., safe=...): (nan_step, skipped, accuracy)
+    plain, guarded, fixed = f["plain"], f["guarded"], f["fixed"]  # F, F / F, T / T, T
+    assert plain[0] is not None
+    assert guarded[0] is None and guarded[1] == 42
+    assert guarded[2] >= 0.9
+    assert fixed[0] is None and fixed[1] == 0
+    assert fixed[2] >= 0.9
 
 
 def test_critic_claims():
-    import keras
-    import tutorial
-
-    import keras_nanguard as ng
-
-    rng = np.random.default_rng(0)
-    states = rng.standard_normal((4096, 8)).astype("float32")
-    returns = (
-        50
-        + 40 * np.tanh(states[:, :1] + 0.5 * states[:, 1:2])
-        + 5 * rng.standard_normal((4096, 1))
-    ).astype("float32")
-    smallest = {}
-    for act in ["tanh", "relu"]:
-        critic = tutorial.critic(act)
-        critic.compile(
-            optimizer=keras.optimizers.RMSprop(
-                1e-3, rho=0.99, epsilon=1e-6, clipnorm=5.0
-            ),
-            loss="mse",
-        )
-        critic.fit(states, returns, batch_size=32, epochs=15, verbose=0)
-        smallest[act] = min(
-            float(np.linalg.norm(critic.get_layer(n).V.numpy(), axis=0).min())
-            for n in ["wn1", "wn2", "wn3"]
-        )
+    f = executed("04_diagnosing.ipynb")[1]
+    # tutorial.critic(act), RMSprop(1e-3, rho=0.99, epsilon=1e-6, clipnorm=5),
+    # MSE, 15 epochs: the smallest column norm of V over wn1-wn3
+    smallest = {act: min(f["collapse"][act].values()) for act in ("tanh", "relu")}
     # L1 drives the columns of dead ReLU units towards 0; tanh's stay sizable.
     assert smallest["relu"] < 0.05 * smallest["tanh"]
 
-    layer = critic.get_layer("wn2")
-    v = layer.V.numpy()
-    v[:, 0] = 0.0
-    layer.V.assign(v)
-    report = ng.diagnose(critic, states[:64], returns[:64])
-    assert (report.stage, report.layer, report.causes[0]) == (
-        "forward",
-        "wn2",
-        "invalid_arithmetic",
-    )
-    assert ng.diagnose(
-        tutorial.critic("tanh", g_init=1e3), states[:64], returns[:64]
-    ).healthy
-    assert not ng.diagnose(
-        tutorial.critic("relu", g_init=1e3), states[:64], returns[:64]
-    ).healthy
+    # A zero column of the trained ReLU critic's wn2: the notebook's (its
+    # smallest) and, on top of it, column 0 (the claims test's choice).
+    for key in ("report", "column_0_report"):
+        stage, layer, causes = f[key]
+        assert (stage, layer, causes[0]) == ("forward", "wn2", "invalid_arithmetic")
+    # diagnose(tutorial.critic(act, g_init=1e3), states[:64], returns[:64])
+    assert f["g_init_1e3_healthy"] == {"tanh": True, "relu": False}
 
 
 if __name__ == "__main__":

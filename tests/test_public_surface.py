@@ -2,7 +2,11 @@
 
 import importlib.metadata
 
+import pytest
+
 import keras_nanguard as ng
+
+pytestmark = pytest.mark.backend_free  # imports and names only
 
 
 def test_ops_is_a_real_module():

@@ -162,6 +162,7 @@ def test_other_axis_and_broadcast_mask():
     np.testing.assert_allclose(both.sum(axis=(1, 2)), np.ones(2), rtol=1e-6)
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -233,6 +234,7 @@ def test_trains_inside_a_model_with_extreme_logits():
     assert model.optimizer.counters()["skipped_steps"] == 0
 
 
+@pytest.mark.backend_free
 def test_log_probs_must_be_a_bool():
     with pytest.raises(TypeError, match=r"`log_probs` must be True or False.*'no'"):
         ng.StableSoftmax(log_probs="no")
