@@ -15,6 +15,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.backend_free
+
 PACKAGE = "keras_nanguard"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
