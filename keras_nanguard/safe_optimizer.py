@@ -49,23 +49,11 @@ class SafeOptimizer(
     `with opt.transaction(model):` around a custom TensorFlow or torch step,
     `opt.stateless_commit(...)` in a JAX stateless loop.
 
-    Counters are scalar optimizer variables, saved with the optimizer; read
-    them with `int(...)`/`float(...)` or all at once with `counters()` (the
-    README has a table): `skipped_steps`, `consecutive_skips`,
-    `nonfinite_gradient_steps`, `nonfinite_update_steps`, `spike_steps`,
-    `clipped_steps` (0 with gradient accumulation, where the inner optimizer
-    clips), `last_grad_norm`, `rejected_grad_norm`, `accepted_grad_norm`,
-    `lr_scale`, `loss_scale_steps` (steps a `LossScaleOptimizer` around it
-    skipped for an overflow: mixed precision, see `attach`),
-    `recent_rejections` (the last 30 steps as an int32 bit mask,
-    bit 0 the latest step, 1 where it was rejected: after accept, reject,
-    reject, accept it is `0b0110`; with `steps_per_execution` it tells which
-    steps of an execution were rejected), and `last_rejection` (0 never,
-    1 gradient, 2 update, 3 spike, 4 loss-scale overflow, 5 non-finite loss
-    under a loss scaler;
-    in words with `describe_last_rejection()`, which names the first variable
-    involved: `last_nonfinite_index` counts the model's trainable variables,
-    then the inner optimizer's).
+    Counters are scalar optimizer variables, saved with the optimizer
+    (`skipped_steps`, `spike_steps`, `last_grad_norm`, ...; the README has
+    the table): read one with `int(opt.skipped_steps)`, all at once with
+    `counters()`, the last rejection in words with
+    `describe_last_rejection()`.
 
     Everything else of `keras.optimizers.Optimizer` (`learning_rate` and
     schedules, `iterations`, weight decay, EMA, gradient accumulation) is the
