@@ -19,6 +19,7 @@ import numpy as np
 # (its ring buffer and count; `last_spike` came later).
 COUNTERS_0_1 = 11
 COUNTERS_0_2 = 13
+WINDOW_0_2 = 2  # spike_norms, spike_count
 
 
 def upgrade(
@@ -26,15 +27,15 @@ def upgrade(
     *,
     counters: int,
     window: int,
-    window_0_2: int,
     inner: int,
     initial: list[Any],
 ) -> Any:
     """`store` in today's layout: `counters` counters, a spike window of
-    `window` variables (0.2 saved the first `window_0_2` of them), `inner`
+    `window` variables (0.2 saved the first `WINDOW_0_2` of them), `inner`
     variables of the inner optimizer; `initial` holds today's counter and
     window values, for what the file lacks."""
     keys = len(store.keys())
+    window_0_2 = min(window, WINDOW_0_2)  # none without spike skipping
     if keys == 2 + COUNTERS_0_1 + inner and np.asarray(store["1"]).dtype.kind == "f":
         # 0.1: the second dead variable is a float learning rate, where
         # today's second entry is an int counter; no spike window then.

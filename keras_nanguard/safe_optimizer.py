@@ -252,7 +252,6 @@ class SafeOptimizer(
                 store,
                 counters=len(_COUNTERS),
                 window=len(self._variables) - len(_COUNTERS),
-                window_0_2=0 if self.spike_factor is None else 2,
                 inner=len(self.inner_optimizer.variables),
                 initial=[v.numpy() for v in self._variables],
             )

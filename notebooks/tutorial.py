@@ -303,21 +303,13 @@ def collapse_episode(result: RunResult, low: float = 12.0, run: int = 10) -> int
 # The actor and the critic (WeightNormDense) live in `report_models.py`, beside
 # this file (the tests and bench_diagnose.py import it too); re-exported here
 # for the notebooks (`tutorial.actor()`, ...).
-from report_models import (  # noqa: E402
+from report_models import (  # noqa: E402, F401  (re-exported)
     WeightNormDense,
     actor,
     critic,
     gathered_log_prob_loss,
     policy_gradient_loss,
 )
-
-__all__ = [
-    "WeightNormDense",
-    "actor",
-    "critic",
-    "gathered_log_prob_loss",
-    "policy_gradient_loss",
-]
 
 
 # ------------------------------------------------ notebook 1: digits

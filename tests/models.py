@@ -13,18 +13,10 @@ _NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks
 if _NOTEBOOKS not in sys.path:
     sys.path.insert(0, _NOTEBOOKS)
 
-from report_models import (  # noqa: E402
+from report_models import (  # noqa: E402, F401  (re-exported)
     WeightNormDense,
     actor,
     critic,
     gathered_log_prob_loss,
     policy_gradient_loss,
 )
-
-__all__ = [
-    "WeightNormDense",
-    "actor",
-    "critic",
-    "gathered_log_prob_loss",
-    "policy_gradient_loss",
-]
