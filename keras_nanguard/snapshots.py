@@ -12,7 +12,7 @@ to a temporary file in the same directory which is then renamed over the
 previous one, so a crash mid-write leaves the previous snapshot loadable.
 Where values live (host reads, device copies, device room) is
 `_host_device.py`; loading a snapshot file into a model, and writing one as a
-Keras weights file, `_snapshot_io.py`.
+Keras weights file, `snapshot_files.py`.
 """
 
 from __future__ import annotations

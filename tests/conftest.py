@@ -56,8 +56,8 @@ def pytest_collection_finish(session):
 
 # Docstring examples that use no backend (NumPy, pure Python), marked here.
 BACKEND_FREE_DOCTESTS = {
-    "keras_nanguard.causes",
-    "keras_nanguard.causes.hints_for",
+    "keras_nanguard.diagnosis.causes",
+    "keras_nanguard.diagnosis.causes.hints_for",
     "keras_nanguard.errors.NonFiniteError",
     "keras_nanguard.faults.LearningRateSpike",
     "keras_nanguard.faults.PoisonedBatches",

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from keras_nanguard import nan_guard, snapshots
+from keras_nanguard import snapshots
+from keras_nanguard.nan_guard import callback as nan_guard
 from tests.helpers import (
     BACKEND,
     BINARY_LOSS,
@@ -490,7 +491,8 @@ CRASHER = textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
-    from keras_nanguard import nan_guard, snapshots
+    from keras_nanguard import snapshots
+    from keras_nanguard.nan_guard import callback as nan_guard
 
     directory = sys.argv[1]
     good = snapshots.Snapshot([np.arange(1000.0)], ["w"], epoch=1, step=10)

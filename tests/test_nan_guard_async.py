@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from keras_nanguard import nan_guard, snapshots
+from keras_nanguard import snapshots
+from keras_nanguard.nan_guard import callback as nan_guard
 from tests.helpers import BACKEND, assert_bit_identical, mse_model, numpy
 
 

@@ -7,7 +7,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
-from keras_nanguard import nan_guard
+from keras_nanguard.nan_guard import callback as nan_guard
 from tests.helpers import BACKEND, all_finite
 
 EPOCHS = 16

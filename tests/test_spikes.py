@@ -6,7 +6,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
-from keras_nanguard import _spikes as spikes
+from keras_nanguard.safe_optimizer import spike_window as spikes
 from tests.helpers import assert_bit_identical, numpy
 
 SPIKE_BATCH = 30  # after a window of 16 accepted steps has filled

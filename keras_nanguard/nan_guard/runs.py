@@ -39,7 +39,7 @@ from typing import Any
 import keras
 
 # NaNGuard's own counters in the logs stay as they are (`is_metric`).
-from keras_nanguard._figures import is_metric
+from keras_nanguard.nan_guard.figures import is_metric
 
 
 def copy_of(guard: Any, memo: dict) -> Any:

@@ -11,19 +11,19 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_nanguard import _layouts as layouts
-from keras_nanguard import _spikes as spikes
-from keras_nanguard import _step_ops as step_ops
-from keras_nanguard._inner import (
+from keras_nanguard._validation import check_in, check_int, check_positive
+from keras_nanguard.safe_optimizer import file_layouts as layouts
+from keras_nanguard.safe_optimizer import spike_window as spikes
+from keras_nanguard.safe_optimizer import step_ops
+from keras_nanguard.safe_optimizer.counters import _COUNTERS, ReportsMixin
+from keras_nanguard.safe_optimizer.inner import (
     check_clipping,
     forwarded,
     refuse_unknown,
     resolve_inner,
 )
-from keras_nanguard._model_state import ModelStateMixin
-from keras_nanguard._reports import _COUNTERS, ReportsMixin
-from keras_nanguard._transaction import TransactionMixin, _Plans
-from keras_nanguard._validation import check_in, check_int, check_positive
+from keras_nanguard.safe_optimizer.model_transaction import ModelStateMixin
+from keras_nanguard.safe_optimizer.step import TransactionMixin, _Plans
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")

@@ -17,9 +17,9 @@ import numpy as np
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
-from keras_nanguard import _spikes as spikes
-from keras_nanguard import _step_ops as step_ops
-from keras_nanguard._reports import RECENT_STEPS
+from keras_nanguard.safe_optimizer import spike_window as spikes
+from keras_nanguard.safe_optimizer import step_ops
+from keras_nanguard.safe_optimizer.counters import RECENT_STEPS
 
 
 class _Plan(NamedTuple):

@@ -1,7 +1,7 @@
 """The model's side of a whole-model transaction: `ModelStateMixin`, the
 public calls of SafeOptimizer that tie it to the model it trains (`attach`,
 `detach`, `transaction`, `stateless_commit`), made of the pieces in
-`_forward_state` and `_loss_scaling`.
+`forward_state` and `loss_scaling`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_nanguard import _loss_scaling as loss_scaling
-from keras_nanguard import _step_ops as step_ops
-from keras_nanguard._forward_state import build_for, forward_state, read, select
+from keras_nanguard.safe_optimizer import loss_scaling, step_ops
+from keras_nanguard.safe_optimizer.forward_state import (
+    build_for,
+    forward_state,
+    read,
+    select,
+)
 
 
 class ModelStateMixin:

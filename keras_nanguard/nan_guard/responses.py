@@ -13,11 +13,14 @@ import math
 import time
 from typing import Any
 
-from keras_nanguard import _learning_rate, _replay, _snapshot_io, snapshots
-from keras_nanguard._figures import is_loss
-from keras_nanguard._watch import Event
+from keras_nanguard import snapshots
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.incidents import Incident, diagnose_batch
+from keras_nanguard.nan_guard import learning_rate as _learning_rate
+from keras_nanguard.nan_guard import replay as _replay
+from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
+from keras_nanguard.nan_guard.batch_watch import Event
+from keras_nanguard.nan_guard.figures import is_loss
 
 # Snapshots waiting for a healthy batch (the batch ends run behind).
 _MAX_PENDING = 3
@@ -152,13 +155,13 @@ class Responses:
         if inc.batch_data is not None:
             snapshots.sync_from_device(self._net)
             diagnose_batch(inc, self._net)
-        self._write_report()  # told once its action is known (`_messages`)
+        self._write_report()  # told once its action is known (`telling`)
 
     # ------------------------------------------------------------ actions
     def _trouble(self) -> None:
         inc = self.incidents[-1]
         if self.policy == "warn":
-            inc.action = "warned"  # warned once, by `_messages`
+            inc.action = "warned"  # warned once, by `telling`
             return
         self._drop_pending()  # not yet proven by a healthy batch
         if self.snapshot is None:  # see `_start`

@@ -9,11 +9,7 @@ from typing import Any
 
 import keras
 
-from keras_nanguard import _learning_rate, _replay, _runs, _snapshot_io, snapshots
-from keras_nanguard._cadence import Cadence
-from keras_nanguard._figures import nonfinite_validation
-from keras_nanguard._messages import Telling, warn
-from keras_nanguard._responses import Responses
+from keras_nanguard import snapshots
 from keras_nanguard._validation import (
     check_choice,
     check_in,
@@ -22,8 +18,16 @@ from keras_nanguard._validation import (
     check_output_paths,
     check_positive,
 )
-from keras_nanguard._watch import watch_for_fit
 from keras_nanguard.incidents import Incident
+from keras_nanguard.nan_guard import learning_rate as _learning_rate
+from keras_nanguard.nan_guard import replay as _replay
+from keras_nanguard.nan_guard import runs as _runs
+from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
+from keras_nanguard.nan_guard.batch_watch import watch_for_fit
+from keras_nanguard.nan_guard.cadence import Cadence
+from keras_nanguard.nan_guard.figures import nonfinite_validation
+from keras_nanguard.nan_guard.responses import Responses
+from keras_nanguard.nan_guard.telling import Telling, warn
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 # A batch end waits at most this long for the one before it (Keras's worker
@@ -206,7 +210,7 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
     # ------------------------------------------------------------ lifecycle
     # Threads: `on_train_batch_end` may run in Keras's worker threads, the
     # other hooks run on the training thread. They share `self._watch` (the
-    # batch-end side's state, `_watch.BatchWatch`) under `self._lock`; the
+    # batch-end side's state, `batch_watch.BatchWatch`) under `self._lock`; the
     # batch-end side queues `Event`s there, the training thread takes them
     # in `_act`. Only the training thread touches the model.
     def on_train_begin(self, logs: dict | None = None) -> None:

@@ -36,7 +36,7 @@ _COUNTERS = (
     ("recent_rejections", "int32", 0),
 )
 # Files of earlier versions have fewer counters (new counters go last, so
-# that they still load): see `_layouts`.
+# that they still load): see `file_layouts`.
 # `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
 RECENT_STEPS = 30
 # Counters that are history (NaNGuard keeps them through a rollback); the

@@ -9,7 +9,7 @@ ReLU, weights that have grown).
 
 Example:
 
->>> from keras_nanguard import causes
+>>> from keras_nanguard.diagnosis import causes
 >>> causes.CAUSES["log_of_zero"]
 'a probability that is exactly 0 reaches a log'
 >>> causes.hints_for(["loss_overflow"])[0][:29]
@@ -114,7 +114,7 @@ def hints_for(causes: Iterable[str], extra: Sequence[str] = ()) -> list[str]:
 
     Example:
 
-    >>> from keras_nanguard.causes import hints_for
+    >>> from keras_nanguard.diagnosis.causes import hints_for
     >>> len(hints_for(["log_of_zero", "nonfinite_gradient"]))
     3
     """
@@ -141,7 +141,7 @@ def overflow_hints(layers: Sequence[keras.layers.Layer]) -> list[str]:
     Example:
 
     >>> import keras
-    >>> from keras_nanguard.causes import overflow_hints
+    >>> from keras_nanguard.diagnosis.causes import overflow_hints
     >>> dense = keras.layers.Dense(4, activation="relu", name="hidden")
     >>> dense.build((None, 3))
     >>> hints = overflow_hints([dense])

@@ -17,9 +17,9 @@ import math
 import time
 from typing import Any, NamedTuple
 
-from keras_nanguard._figures import EpochFigures, is_loss, nonfinite
-from keras_nanguard._loss_spikes import LossSpikes, Spike
-from keras_nanguard._reports import RECENT_STEPS
+from keras_nanguard.nan_guard.figures import EpochFigures, is_loss, nonfinite
+from keras_nanguard.nan_guard.loss_spikes import LossSpikes, Spike
+from keras_nanguard.safe_optimizer.counters import RECENT_STEPS
 
 REJECTED = "nanguard_rejected_steps"
 OVERFLOWS = "nanguard_loss_scale_steps"

@@ -22,8 +22,8 @@ from typing import Any
 
 import keras
 
-from keras_nanguard._watch import REJECTED
 from keras_nanguard.incidents import Incident, write_json
+from keras_nanguard.nan_guard.batch_watch import REJECTED
 
 LOG = logging.getLogger("keras_nanguard")
 _OURS = ("keras", "keras_nanguard")  # frames a warning does not point at

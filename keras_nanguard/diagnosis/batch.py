@@ -2,10 +2,10 @@
 
 Here: `diagnose()` itself (its arguments, and the model and optimizer state it
 leaves as it found them), and what it returns, `Diagnosis` with a `LayerStats`
-per layer (defined in `_findings`, which both this module and `_stages`
+per layer (defined in `findings`, which both this module and `stages`
 import, and importable from here). The checks it runs, one per stage, are in
-`_stages`; the cause vocabulary (`CAUSES`, also importable from here) and the
-hints in `causes`; the eager probes in `_probes`.
+`stages`; the cause vocabulary (`CAUSES`, also importable from here) and the
+hints in `causes`; the eager probes in `probes`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_nanguard import _probes as probes
-from keras_nanguard import _stages
-from keras_nanguard._findings import STAGES, Diagnosis, LayerStats
 from keras_nanguard._host_device import host_view
-from keras_nanguard.causes import CAUSES
+from keras_nanguard.diagnosis import probes
+from keras_nanguard.diagnosis import stages as _stages
+from keras_nanguard.diagnosis.causes import CAUSES
+from keras_nanguard.diagnosis.findings import STAGES, Diagnosis, LayerStats
 
 __all__ = ["CAUSES", "STAGES", "Diagnosis", "LayerStats", "diagnose"]
 

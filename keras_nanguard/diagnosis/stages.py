@@ -17,11 +17,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_nanguard import _probes as probes
 from keras_nanguard import snapshots
-from keras_nanguard._findings import Diagnosis, LayerStats
 from keras_nanguard._host_device import host_finite, host_view
-from keras_nanguard.causes import hints_for, overflow_hints
+from keras_nanguard.diagnosis import probes
+from keras_nanguard.diagnosis.causes import hints_for, overflow_hints
+from keras_nanguard.diagnosis.findings import Diagnosis, LayerStats
 
 #: Global gradient norm above `_EXPLODING * (1 + global weight norm)` counts
 #: as exploding.

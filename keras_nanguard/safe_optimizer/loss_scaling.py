@@ -24,7 +24,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_nanguard import _step_ops as step_ops
+from keras_nanguard.safe_optimizer import step_ops
 
 
 def scalers(outer: Any, safe: Any) -> list[keras.optimizers.LossScaleOptimizer]:

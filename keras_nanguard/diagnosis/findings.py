@@ -1,8 +1,8 @@
 """What `diagnose()` returns: a `Diagnosis`, with a `LayerStats` per layer,
 and the stages a batch is checked at (`STAGES`).
 
-Apart from `diagnosis` (which runs the stages) so that `_stages`, which makes
-these, and `diagnosis`, which calls `_stages`, do not import each other. The
+Apart from `diagnosis` (which runs the stages) so that `stages`, which makes
+these, and `diagnosis`, which calls `stages`, do not import each other. The
 public names are `keras_nanguard.diagnosis.Diagnosis` and friends.
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
-from keras_nanguard.causes import CAUSES
+from keras_nanguard.diagnosis.causes import CAUSES
 
 STAGES = ("input", "target", "weights", "forward", "loss", "backward", "update")
 

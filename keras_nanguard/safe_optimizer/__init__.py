@@ -1,0 +1,20 @@
+"""SafeOptimizer: an optimizer wrapper under which a bad step is never applied.
+
+The public names are `SafeOptimizer` and `find_safe_optimizer`; the modules
+of this folder are private:
+
+- `optimizer`: the `keras.optimizers.Optimizer` subclass users see.
+- `step`: one step as a transaction (decide, update, check, commit or roll
+  back), and the one place that knows `tf.distribute`.
+- `counters`: the counters (named device variables) and their reports.
+- `model_transaction`: the model's side (`attach`, `transaction`,
+  `stateless_commit`), with `forward_state` (what the forward pass writes)
+  and `loss_scaling` (a `LossScaleOptimizer` around the wrapper).
+- `spike_window`: the gradient-norm spike rule; `inner`: checks of the
+  wrapped optimizer; `file_layouts`: files of earlier versions;
+  `step_ops`: small tensor operations of the step.
+"""
+
+from keras_nanguard.safe_optimizer.optimizer import SafeOptimizer, find_safe_optimizer
+
+__all__ = ["SafeOptimizer", "find_safe_optimizer"]
