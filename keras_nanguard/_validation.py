@@ -11,14 +11,14 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 
 
-def is_int(value: Any, low: int | None = None) -> bool:
+def is_int(value: Any, low: int | None = None) -> TypeGuard[int | np.integer]:
     """An integer (Python or NumPy, not bool), at least `low` when given."""
-    return (
+    return bool(
         isinstance(value, int | np.integer)
         and not isinstance(value, bool | np.bool_)
         and (low is None or value >= low)
@@ -202,10 +202,12 @@ def check_steps(
     """Sorted distinct 0-based indices; errors show `given` (what the user
     passed) when the indices were taken out of it."""
     given = at_steps if given is None else given
-    if is_int(at_steps):
-        at_steps = [at_steps]
     try:
-        steps = tuple(at_steps)
+        steps = (
+            (int(at_steps),)
+            if is_int(at_steps)
+            else tuple(cast(Iterable[int], at_steps))
+        )
     except TypeError as err:
         raise TypeError(
             f"`{name}` must be an int or a list of ints >= 0. "

@@ -115,7 +115,9 @@ def run(epochs: int = 3, batch_size: int = 64, verbose: bool = True) -> dict:
 
     results = {kind: train(kind) for kind in ("plain", "safe", "reference")}
     if verbose:
-        _print(results, epochs, steps_per_epoch, spike_steps, keras.backend.backend())
+        from keras_nanguard._backend import current as backend
+
+        _print(results, epochs, steps_per_epoch, spike_steps, backend.NAME)
     return results
 
 

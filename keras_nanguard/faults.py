@@ -382,6 +382,8 @@ class LearningRateSpike(keras.callbacks.Callback):
         """Applies a change another callback made to the spiked rate, in
         proportion, to the rate to put back."""
         current = ops.convert_to_numpy(lr)
+        if self._spiked is None or self._original is None:
+            return  # no spike is on
         if current.tobytes() == self._spiked.tobytes():
             return  # unchanged: the rate goes back exactly
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 
 from keras_nanguard._atomic import atomic_path
+from keras_nanguard._backend import current as backend
 from keras_nanguard._host_device import (
     device_copy,
     device_room,
@@ -43,8 +44,7 @@ SNAPSHOT_FILE = "nanguard_snapshot.npz"
 
 def sync_from_device(model: keras.Model) -> None:
     """Makes the model's variables current (JAX keeps them apart during fit)."""
-    if keras.backend.backend() == "jax" and hasattr(model, "jax_state_sync"):
-        model.jax_state_sync()
+    backend.sync_state(model)
 
 
 def seed_states(model: keras.Model) -> list[keras.Variable]:
@@ -202,15 +202,14 @@ def capture(
     `into` (torch) its device buffers are overwritten instead of allocated.
     The caller syncs JAX state first.
     """
-    backend = keras.backend.backend()
     variables = tracked(model)
-    if backend not in ("jax", "torch") or not device_room(variables):
+    if not device_room(variables):
         host_into = into if into is not None and not into.on_device else None
         return take(model, epoch, step, into=host_into)
     start = time.perf_counter()
     names = [variable_name(v) for v in variables]
     reuse = (
-        backend == "torch"
+        backend.REUSES_DEVICE_BUFFERS
         and into is not None
         and into.on_device
         and into.names == names
@@ -219,9 +218,8 @@ def capture(
             for a, v in zip(into.values, variables, strict=True)
         )
     )
-    if reuse:
-        for buffer, v in zip(into.values, variables, strict=True):
-            buffer.copy_(v.value.detach())
+    if reuse and into is not None:
+        backend.copy_into(into.values, [v.value for v in variables])
         values = into.values
     else:
         values = [device_copy(v.value) for v in variables]
@@ -286,16 +284,9 @@ def restore(model: keras.Model, snapshot: Snapshot) -> None:
 def assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> None:
     """Writes `values` into `variables`, but for those `unchecked` leaves."""
     keep = unchecked(model)
-    copy = keras.backend.backend() == "jax"
     for v, value in zip(variables, values, strict=True):
         if id(v) not in keep:
-            # JAX keeps an assigned array as is, and the next step donates
-            # it: a device snapshot must lend a copy.
-            v.assign(
-                device_copy(value)
-                if copy and not isinstance(value, np.ndarray)
-                else value
-            )
+            v.assign(backend.assignable(value))
 
 
 def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
@@ -310,12 +301,12 @@ def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:
         "n_seeds": snapshot.n_seeds,
         "learning_rate": snapshot.learning_rate,
     }
+    arrays: dict[str, Any] = {
+        f"v{i}": to_host(v) for i, v in enumerate(snapshot.values)
+    }
+    arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     with atomic_path(path, ".tmp") as tmp, open(tmp, "wb") as f:
-        np.savez(
-            f,
-            __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-            **{f"v{i}": to_host(v) for i, v in enumerate(snapshot.values)},
-        )
+        np.savez(f, **arrays)
     return path
 
 

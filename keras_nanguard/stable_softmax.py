@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import keras
 import numpy as np
@@ -119,7 +119,11 @@ class StableSoftmax(keras.layers.Layer):
             raise ValueError(
                 f"`nan_logits` must be one of {_NAN_LOGITS}. Received: nan_logits={nan_logits!r}"
             )
-        self.axis = int(axis) if is_int(axis) else tuple(int(a) for a in axis)
+        self.axis: int | tuple[int, ...] = (
+            int(axis)
+            if is_int(axis)
+            else tuple(int(a) for a in cast(tuple[int, ...], axis))
+        )
         self.soft_cap = None if soft_cap is None else float(soft_cap)
         self.hard_cap = None if hard_cap is None else float(hard_cap)
         self.temperature = float(temperature)

@@ -1,4 +1,4 @@
-"""Run the whole check: ruff, then the test suite once per Keras backend.
+"""Run the whole check: ruff and mypy, then the test suite once per Keras backend.
 
 Usage: `python -m tests [--fast] [--backends tensorflow,jax,torch] [--jobs N]
 [--no-lint] [pytest args...]`.
@@ -95,7 +95,8 @@ def main() -> int:
 
     failures, start = [], time.perf_counter()
     if not args.no_lint:
-        for cmd in (["ruff", "check", "."], ["ruff", "format", "--check", "."]):
+        lint = (["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy"])
+        for cmd in lint:
             if _run([sys.executable, "-m", *cmd]) != 0:
                 failures.append(" ".join(cmd))
     jobs = min(args.jobs, len(backends))

@@ -1,5 +1,7 @@
 """Every public class serializes: get_config/from_config and a .keras round trip."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -148,3 +150,57 @@ def test_weight_norm_dense_round_trip(tmp_path):
     np.testing.assert_array_equal(
         model.predict(x, verbose=0), loaded.predict(x, verbose=0)
     )
+
+
+# ---------------------------------------- the 0.1 layout still loads
+def test_a_keras_file_of_version_0_1_loads_and_trains_on():
+    """A file saved by 0.1.0 (tests/fixtures/make_0_1_fixture.py): its
+    optimizer held the base class's `iteration` and `learning_rate`, 11
+    counters, then Adam's variables; no spike window."""
+    fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
+    expected = np.load(os.path.join(fixtures, "safe_optimizer_0_1_expected.npz"))
+    expected = [expected[f"arr_{i}"] for i in range(len(expected.files))]
+    model = keras.saving.load_model(os.path.join(fixtures, "safe_optimizer_0_1.keras"))
+    opt = model.optimizer
+    assert isinstance(opt, ng.SafeOptimizer)
+    assert (opt.clipnorm, opt.lr_backoff, opt.max_consecutive_skips) == (1.0, 0.5, 5)
+    assert opt.spike_factor is None
+    n = len(model.weights)
+    assert_bit_identical(expected[:n], numpy(model.weights), "weights")
+    saved = expected[n:]
+    assert len(saved) == 2 + 11 + 14  # iteration, learning_rate; counters; Adam
+    names = [v.name for v in opt.variables]
+    assert names[11:15] == [
+        "accepted_grad_norm",
+        "spike_steps",
+        "loss_scale_steps",
+        "recent_rejections",
+    ]
+    assert_bit_identical(saved[2:13], numpy(opt.variables[:11]), "counters")
+    assert [int(v) for v in numpy(opt.variables[12:15])] == [0, 0, 0]  # new since
+    loaded = numpy(opt.variables[15:])
+    adam = [
+        s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
+        for s, v in zip(saved[13:], loaded, strict=True)
+    ]
+    assert_bit_identical(adam, loaded, "Adam")
+    c = opt.counters()
+    assert (c["skipped_steps"], c["clipped_steps"], c["lr_scale"]) == (1, 7, 0.5)
+    assert int(opt.iterations) == 7
+    # It trains on: 8 batches of 8, the third with a NaN (rejected, the
+    # learning rate backed off again).
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    y = rng.standard_normal((64, 1)).astype("float32")
+    x[20] = np.nan
+    opt.attach(model)  # (0.1 had no `attach`): BatchNormalization's statistics
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    c = opt.counters()
+    assert (c["skipped_steps"], c["nonfinite_gradient_steps"], int(opt.iterations)) == (
+        2,
+        2,
+        14,
+    )
+    assert c["lr_scale"] == 0.25
+    assert all(np.isfinite(w).all() for w in numpy(model.weights))
+    assert not np.array_equal(expected[0], numpy(model.weights)[0])

@@ -13,6 +13,8 @@ import numpy as np
 from keras import ops
 
 from keras_nanguard import snapshots
+from keras_nanguard._backend import common
+from keras_nanguard._backend import current as backend
 from keras_nanguard._host_device import host_finite, host_view
 
 
@@ -49,9 +51,13 @@ def loss_function(model, loss, x, y, sample_weight) -> Callable[[Any], Any]:
                 "`loss=` (a Keras loss, its name, or a callable (y_true, y_pred)). "
                 "Received: loss=None"
             )
-        return lambda y_pred, y_true=y: model.compute_loss(
-            x=x, y=y_true, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
+
+        def compiled_loss(y_pred: Any, y_true: Any = y) -> Any:
+            return model.compute_loss(
+                x=x, y=y_true, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+
+        return compiled_loss
     fn = keras.losses.get(loss) if isinstance(loss, str | dict) else loss
     if not callable(fn):
         raise TypeError(
@@ -114,49 +120,7 @@ def gradient_pass(
     `outputs=False` (only the gradients are wanted) JAX skips the eager pass
     and returns `None` for `y_pred` and `loss`.
     """
-    tv = model.trainable_variables
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            y_pred = model(x, training=True)
-            loss = loss_of(y_pred)
-        return y_pred, loss, lambda: numpy_grads(tape.gradient(loss, tv))
-    if backend == "torch":
-        _clear_grads(tv)
-        y_pred = model(x, training=True)
-        loss = loss_of(y_pred)
-
-        def gradients():
-            loss.backward()
-            grads = [v.value.grad for v in tv]
-            _clear_grads(tv)
-            return numpy_grads(grads)
-
-        return y_pred, loss, gradients
-    y_pred = loss = None
-    if outputs:
-        y_pred = model(x, training=True)
-        loss = loss_of(y_pred)
-    return y_pred, loss, lambda: _jax_gradients(model, x, loss_of)
-
-
-def _jax_gradients(model, x, loss_of) -> list[np.ndarray | None]:
-    import jax
-
-    tv = model.trainable_variables
-
-    def objective(values):
-        with keras.StatelessScope(state_mapping=list(zip(tv, values, strict=True))):
-            return loss_of(model(x, training=True))
-
-    return numpy_grads(jax.grad(objective)([v.value for v in tv]))
-
-
-def _clear_grads(variables) -> None:
-    for v in variables:
-        v.value.grad = None
+    return backend.gradient_pass(model, x, loss_of, outputs)
 
 
 def fresh_gradients(model, x, loss_of) -> list[np.ndarray | None]:
@@ -164,8 +128,7 @@ def fresh_gradients(model, x, loss_of) -> list[np.ndarray | None]:
     return gradient_pass(model, x, loss_of, outputs=False)[2]()
 
 
-def numpy_grads(grads) -> list[np.ndarray | None]:
-    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
+numpy_grads = common.numpy_grads
 
 
 # ------------------------------------------------------------------ update
@@ -182,12 +145,7 @@ def probe_update(model, optimizer, grads, leaves):
             for g, v in zip(grads, tv, strict=True)
             if g is not None
         ]
-        if keras.backend.backend() == "torch":
-            import torch
-
-            with torch.no_grad():
-                optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        else:
+        with backend.no_grad():
             optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         for name, layer in leaves:
             bad = [

@@ -174,6 +174,7 @@ def _check_loss(run: _Run) -> Diagnosis | None:
 def _check_backward(run: _Run) -> Diagnosis | None:
     """The gradients: a non-finite one (the first going backward), or a global
     norm that explodes."""
+    assert run.gradients is not None  # set by the forward stage
     run.grads = run.gradients()
     _gradient_norms(run)
     bad = [i for i, g in enumerate(run.grads) if g is not None and not host_finite(g)]
@@ -247,7 +248,7 @@ def _nonfinite_gradient(run: _Run, bad: list[int]) -> Diagnosis:
     tv = run.model.trainable_variables
     owner = probes.owners(run.leaves)
     order = {name: k for k, (name, _) in enumerate(run.leaves)}
-    last = max(bad, key=lambda i: order.get(owner.get(id(tv[i])), -1))
+    last = max(bad, key=lambda i: order.get(owner.get(id(tv[i]), ""), -1))
     causes = ["nonfinite_gradient"]
     if run.probs is not None and probes.clipped_gradients_finite(
         run.model, run.x, run.loss_of, run.probs
@@ -268,10 +269,10 @@ def _exploding_gradient(run: _Run) -> Diagnosis | None:
     weight_norm = float(
         np.sqrt(sum(np.sum(np.square(host_view(v), dtype=np.float64)) for v in tv))
     )
-    if run.grad_norm > _EXPLODING * (1.0 + weight_norm):
+    if run.grad_norm is not None and run.grad_norm > _EXPLODING * (1.0 + weight_norm):
         biggest = max(
             (s for s in run.stats if s.grad_norm),
-            key=lambda s: s.grad_norm,
+            key=lambda s: s.grad_norm or 0.0,
             default=None,
         )
         return run.result(

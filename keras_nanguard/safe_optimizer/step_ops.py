@@ -1,6 +1,6 @@
-"""Backend-specific pieces of SafeOptimizer's guarded step: the rollback
-snapshot, the conditional restore, TensorFlow's out-of-place updates, and
-small tensor helpers. Each backend's path stays in one named function."""
+"""Pieces of SafeOptimizer's guarded step: the rollback snapshot, the
+conditional restore, TensorFlow's out-of-place updates, and small tensor
+helpers (each backend's part is in `_backend`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 import keras
 from keras import ops
+
+from keras_nanguard._backend import current as backend
 
 
 def is_float_variable(v: keras.Variable) -> bool:
@@ -39,28 +41,11 @@ def scale(g: Any, factor: Any) -> Any:
 def snapshot(variables: list[keras.Variable], buffers: list | None = None) -> list:
     """The values of `variables` now, unaffected by later in-place updates.
 
-    On torch the values are copied, into `buffers` when given: reusing the
-    same buffers each step is several times faster than fresh clones (no
-    allocation, no page faults), at the price of holding them between steps.
+    On torch the values are copied, into `buffers` when given (see
+    `_backend.torch.copy_values`); TensorFlow takes copy-on-write reads, JAX
+    arrays are immutable.
     """
-    backend = keras.backend.backend()
-    if backend == "torch":
-        values = [v.value.detach() for v in variables]
-        if buffers is None:
-            return [t.clone() for t in values]
-        import torch
-
-        with torch.no_grad():
-            torch._foreach_copy_(buffers, values)
-        return buffers
-
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        # A read is a copy-on-write snapshot: the buffer is copied only if
-        # the variable is then written in place while the snapshot is alive.
-        return [tf.identity(v.value) for v in variables]
-    return [v.value for v in variables]  # JAX arrays are immutable.
+    return backend.copy_values([v.value for v in variables], buffers)
 
 
 @contextlib.contextmanager
@@ -74,7 +59,7 @@ def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
     assigning it swaps buffers instead. Sparse updates (`IndexedSlices`) keep
     the inner optimizer's own path. Other backends: nothing changes.
     """
-    if keras.backend.backend() != "tensorflow" or "assign_add" in vars(inner):
+    if not backend.COPIES_ON_WRITE or "assign_add" in vars(inner):
         yield
         return
     cls = type(inner)
@@ -101,40 +86,15 @@ def restore_unless(ok: Any, state: list, backup: list) -> None:
     module buffers) unless `ok`: a select on the device, with no branch and
     no host read (a branch on XLA:GPU or TensorFlow's GPU graphs copies the
     predicate to the host and waits for it)."""
-    if keras.backend.backend() == "torch":
-        import torch
-
-        ok = torch.as_tensor(ok)
-        with torch.no_grad():
-            for t, old in zip(state, backup, strict=True):
-                t = t.value if isinstance(t, keras.Variable) else t
-                torch.where(ok, t, old, out=t)
-        return
-    for v, old in zip(state, backup, strict=True):
-        v.assign(ops.where(ok, v.value, old))
+    backend.restore_unless(ok, state, backup)
 
 
 def torch_compiling() -> bool:
     """Whether torch is compiling the code running now (`torch.compile`)."""
-    if keras.backend.backend() != "torch":
-        return False
-    import torch
-
-    return torch.compiler.is_compiling()
+    return backend.compiling()
 
 
 def executing_eagerly(probe: keras.Variable) -> bool:
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    if backend == "jax":
-        import jax
-
-        return not isinstance(ops.convert_to_tensor(probe), jax.core.Tracer)
-    if backend == "torch":
-        import torch
-
-        return not torch.compiler.is_compiling()
-    return True
+    """Whether the step runs eagerly (not traced by `tf.function`, `jax.jit`
+    or `torch.compile`)."""
+    return backend.executing_eagerly(probe)

@@ -1,0 +1,67 @@
+"""Pieces the backend modules share: Keras-ops code with no backend branch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+Tensor = Any
+
+
+def raw(x: Any) -> Tensor:
+    """The backend tensor, without keras.ops's per-call dispatch cost."""
+    if isinstance(x, keras.Variable):
+        return x.value
+    return x if ops.is_tensor(x) else ops.convert_to_tensor(x)
+
+
+def restore_by_assign(ok: Tensor, state: list, backup: list) -> None:
+    """`restore_unless` for variables: `v.assign(where(ok, v, old))`."""
+    for v, old in zip(state, backup, strict=True):
+        v.assign(ops.where(ok, v.value, old))
+
+
+def careful_softmax_parts(
+    x: Tensor, axis: int | tuple[int, ...], log: bool, m: Tensor | None = None
+) -> Tensor:
+    """(Log-)softmax of logits with +-inf, in Keras ops: a row with +inf
+    logits shares the probability among them, a row with no finite maximum
+    (all -inf) gives 0 (log: -inf), with no NaN in value or gradient. `m`:
+    the rows' maxima, when already known."""
+    if m is None:
+        m = ops.max(x, axis=axis, keepdims=True)
+    pos_inf = ops.isinf(m) & (m > 0)
+    m_safe = ops.where(ops.isfinite(m), m, 0.0)
+    # In a row with +inf logits, those become 0 and the rest -inf, so
+    # exp/sum shares the probability among them; the gradient there is 0
+    # (the unselected branch has no inf/NaN for it to multiply by 0).
+    z = ops.where(
+        pos_inf,
+        ops.where(x == np.inf, 0.0, -np.inf),
+        x - ops.stop_gradient(m_safe),
+    )
+    s = ops.sum(ops.exp(z), axis=axis, keepdims=True)
+    s_safe = ops.where(s == 0, 1.0, s)  # a NaN sum stays NaN
+    return z - ops.log(s_safe) if log else ops.exp(z) / s_safe
+
+
+def numpy_grads(grads: Sequence[Any]) -> list[np.ndarray | None]:
+    return [None if g is None else np.asarray(ops.convert_to_numpy(g)) for g in grads]
+
+
+def no_frozen(value: Any) -> Any:
+    return value
+
+
+def plain_step(
+    run: Callable[..., None], inner: Any, grads: list, variables: list
+) -> None:
+    """`run_step` where one process holds the whole step (JAX, torch, and
+    TensorFlow outside `tf.distribute`): under a `keras.distribution` JAX's
+    step is one SPMD program whose gradients are already global, so every
+    device decides alike."""
+    run(grads, variables, None)

@@ -1,0 +1,135 @@
+"""What each backend module provides: `Backend`, a protocol of constants and
+functions. Values are the backend's own tensors (a `keras.Variable`'s
+`.value`), unless a docstring says otherwise."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import keras
+import numpy as np
+
+Tensor = Any
+# A step's transaction: (gradients to decide on, variables, update or None);
+# `update(clip)` runs the inner optimizer on gradients `clip` maps.
+Run = Callable[[list[Any], list[keras.Variable], Any], None]
+
+
+class Backend(Protocol):
+    NAME: str
+    #: Keras may run `on_train_batch_end` in worker threads (when every
+    #: callback is `async_safe`).
+    ASYNC_BATCH_END: bool
+    #: `fit`'s step is stateless (`train_step(state, data)`), as on JAX.
+    STATELESS_TRAIN_STEP: bool
+    #: A read of a variable is a copy-on-write view: an in-place update of
+    #: the variable while the read is alive copies its buffer (TensorFlow).
+    COPIES_ON_WRITE: bool
+    #: Device copies of a snapshot can be overwritten in place for reuse.
+    REUSES_DEVICE_BUFFERS: bool
+
+    # ------------------------------------------------- values and the host
+    def host_view(self, value: Tensor) -> np.ndarray:
+        """The value on the host, sharing memory where the backend allows
+        (only for reading at once)."""
+        ...
+
+    def device_copy(self, value: Tensor) -> Tensor:
+        """A copy on the device, in a new buffer."""
+        ...
+
+    def device_room(self, variables: list[keras.Variable], need: int) -> bool:
+        """Whether the device holding `variables` has `need` bytes free with
+        a quarter of it left over (False: keep snapshots on the host)."""
+        ...
+
+    def held_value(self, variable: keras.Variable) -> Tensor:
+        """The value of `variable` now, left as it is by later assigns."""
+        ...
+
+    def copy_values(self, values: list[Tensor], buffers: list | None) -> list:
+        """`values` as they are now, unaffected by later in-place updates (on
+        torch copied into `buffers` when given)."""
+        ...
+
+    def copy_into(self, buffers: list[Tensor], values: list[Tensor]) -> None:
+        """Overwrites device `buffers` with `values` (REUSES_DEVICE_BUFFERS)."""
+        ...
+
+    def assignable(self, value: Tensor) -> Tensor:
+        """`value` as it may be assigned to a variable whose later steps may
+        donate or overwrite it: a device snapshot lends a copy on JAX."""
+        ...
+
+    def sync_state(self, model: keras.Model) -> None:
+        """Makes `model`'s variables current (JAX keeps them apart in fit)."""
+        ...
+
+    def frozen(self, value: Any) -> Any:
+        """A log value that later steps cannot change (torch: a copy of a
+        live variable's tensor); anything else as it is."""
+        ...
+
+    # --------------------------------------------------------- the step
+    def restore_unless(self, ok: Tensor, state: list, backup: list) -> None:
+        """Writes `backup` back into `state` unless `ok`: a select on the
+        device, no branch, no host read."""
+        ...
+
+    def extra_forward_state(self, model: keras.Model) -> list[Tensor]:
+        """State the forward pass may write that Keras does not track as
+        variables (torch module buffers)."""
+        ...
+
+    def compiling(self) -> bool:
+        """Whether torch is compiling the code running now."""
+        ...
+
+    def executing_eagerly(self, probe: keras.Variable) -> bool:
+        """Whether the code running now is eager (not traced or compiled)."""
+        ...
+
+    def index_table(
+        self, values: tuple[int, ...], like: keras.Variable, cache: dict
+    ) -> Any:
+        """`values` as an int32 table a step gathers from, on `like`'s device."""
+        ...
+
+    def rollback_buffers(self, state: list[keras.Variable], cache: dict) -> list | None:
+        """Reusable buffers for the rollback copy of `state`, or None."""
+        ...
+
+    def run_step(
+        self, run: Run, inner: keras.optimizers.Optimizer, grads: list, variables: list
+    ) -> None:
+        """Runs the transaction `run` once for the step (under
+        `tf.distribute`, once in cross-replica context)."""
+        ...
+
+    def no_grad(self) -> contextlib.AbstractContextManager:
+        """A context in which an optimizer update records no gradient."""
+        ...
+
+    # --------------------------------------------------------- kernels
+    def sums_of_squares(self, values: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Per tensor, float32 sums of squares of `v` and of `v * 2**-64`."""
+        ...
+
+    def finite_flags(self, values: list[Tensor]) -> Tensor:
+        """One bool per tensor: whether every entry is finite."""
+        ...
+
+    def softmax_parts(
+        self, x: Tensor, axis: int | tuple[int, ...], log: bool
+    ) -> Tensor:
+        """(Log-)softmax of float32 logits that may hold +-inf."""
+        ...
+
+    def gradient_pass(
+        self, model: keras.Model, x: Any, loss_of: Callable[[Any], Any], outputs: bool
+    ) -> tuple[Any, Any, Callable[[], list[np.ndarray | None]]]:
+        """One eager training-mode pass and its gradients (see
+        `diagnosis.probes.gradient_pass`)."""
+        ...

@@ -1,0 +1,171 @@
+"""The TensorFlow backend's side of keras_nanguard (see `interface.Backend`),
+with the one place that knows `tf.distribute` (`run_step`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from keras_nanguard._backend import common
+
+Tensor = Any
+
+NAME = "tensorflow"
+ASYNC_BATCH_END = False  # Keras runs batch ends in line
+STATELESS_TRAIN_STEP = False
+COPIES_ON_WRITE = True
+REUSES_DEVICE_BUFFERS = False
+
+frozen = common.no_frozen
+restore_unless = common.restore_by_assign
+
+
+def host_view(value: Tensor) -> np.ndarray:
+    if hasattr(value, "read_value"):
+        value = value.read_value()  # a read is a copy-on-write view
+    return np.asarray(value)
+
+
+def device_copy(value: Tensor) -> Tensor:
+    return tf.identity(value)
+
+
+def device_room(variables: list[keras.Variable], need: int) -> bool:
+    # Snapshots are host copies: a read per epoch is cheap next to a TF
+    # step, and a device copy would be a copy-on-write view anyway.
+    return False
+
+
+def held_value(variable: keras.Variable) -> Tensor:
+    return variable.value.read_value()  # copied on write
+
+
+def copy_values(values: list[Tensor], buffers: list | None) -> list:
+    # A read is a copy-on-write snapshot: the buffer is copied only if the
+    # variable is then written in place while the snapshot is alive.
+    return [tf.identity(t) for t in values]
+
+
+def copy_into(buffers: list[Tensor], values: list[Tensor]) -> None:
+    raise TypeError("TensorFlow keeps no device snapshots to reuse")
+
+
+def assignable(value: Tensor) -> Tensor:
+    return value
+
+
+def sync_state(model: keras.Model) -> None:
+    return None
+
+
+def extra_forward_state(model: keras.Model) -> list[Tensor]:
+    return []
+
+
+def compiling() -> bool:
+    return False
+
+
+def executing_eagerly(probe: keras.Variable) -> bool:
+    return tf.executing_eagerly()
+
+
+def index_table(values: tuple[int, ...], like: keras.Variable, cache: dict) -> Any:
+    return np.array(values, "int32")
+
+
+def rollback_buffers(state: list[keras.Variable], cache: dict) -> list | None:
+    return None
+
+
+def no_grad() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def run_step(
+    run: Callable[..., None],
+    inner: keras.optimizers.Optimizer,
+    grads: list,
+    variables: list,
+) -> None:
+    """The transaction under `tf.distribute`.
+
+    In a replica context of a real strategy each replica holds its own
+    gradients. They are all-reduced first, and the whole transaction then
+    runs once in cross-replica context (`merge_call`), as Keras's
+    LossScaleOptimizer does: one decision, taken on the aggregated
+    gradients and the resulting mirrored state, and so the same on every
+    replica, with every write (update, rollback, counters) mirrored.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or not tf.distribute.has_strategy():
+        run(grads, variables, None)  # default strategy or cross-replica
+        return
+    present = [i for i, g in enumerate(grads) if g is not None]
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+    summed: list[Any] = [None] * len(grads)
+    for i, g in zip(present, reduced, strict=True):
+        summed[i] = g
+
+    def cross_replica(distribution: Any, summed: list, grads: list, variables: list):
+        variables = list(variables)
+        # The decision: on the summed gradients (the same on every replica).
+        decide_on = [
+            None if g is None else distribution.experimental_local_results(g)[0]
+            for g in summed
+        ]
+
+        def update(clip: Callable[[list], list]) -> None:
+            # The update: each replica hands the inner optimizer its own
+            # gradients, which it all-reduces itself, as it would unwrapped.
+            def per_replica(grads: Any, variables: Any) -> None:
+                inner.apply(clip(list(grads)), list(variables))
+
+            distribution.extended.call_for_each_replica(
+                per_replica, args=(grads, variables)
+            )
+
+        run(decide_on, variables, update)
+
+    ctx.merge_call(cross_replica, args=(summed, grads, variables))
+
+
+def sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
+    # L2Loss is one fused kernel; square-then-sum allocates a temporary.
+    f32 = [tf.cast(v, "float32") for v in values]
+    return (
+        tf.stack([2.0 * tf.nn.l2_loss(v) for v in f32]),
+        tf.stack([2.0 * tf.nn.l2_loss(v * 2.0**-64) for v in f32]),
+    )
+
+
+def finite_flags(values: list[Tensor]) -> Tensor:
+    return tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+
+
+def softmax_parts(x: Tensor, axis: int | tuple[int, ...], log: bool) -> Tensor:
+    # The backend's fused kernel whenever every row's maximum is finite, the
+    # careful form otherwise.
+    m = ops.max(x, axis=axis, keepdims=True)
+    fused = ops.log_softmax if log else ops.softmax
+    return ops.cond(
+        ops.all(ops.isfinite(m)),
+        lambda: fused(x, axis=axis),
+        lambda: common.careful_softmax_parts(x, axis, log, m),
+    )
+
+
+def gradient_pass(
+    model: keras.Model, x: Any, loss_of: Callable[[Any], Any], outputs: bool
+) -> tuple[Any, Any, Callable[[], list[np.ndarray | None]]]:
+    tv = model.trainable_variables
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = loss_of(y_pred)
+    return y_pred, loss, lambda: common.numpy_grads(tape.gradient(loss, tv))
