@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -53,12 +54,14 @@ def _first_bad_weights_callback():
     return FirstBadWeights()
 
 
+SPIKE_STEPS = [40, 41, 42]  # the learning-rate spike (plain and safe runs)
+BAD_BATCH = 7  # the poisoned batch of each epoch (plain and safe runs)
+
+
 def run(epochs: int = 3, batch_size: int = 64, verbose: bool = True) -> dict:
     """Trains the three runs and returns their figures (also printed)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
-
-    import keras_nanguard as ng
 
     x, y, x_test, y_test = _data()
     keras.utils.set_random_seed(0)
@@ -70,55 +73,60 @@ def run(epochs: int = 3, batch_size: int = 64, verbose: bool = True) -> dict:
             keras.layers.Dense(4),
         ]
     )
-    initial = model.get_weights()
     steps_per_epoch = len(x) // batch_size
-    spike_steps = [40, 41, 42]
-
-    def train(kind: str) -> dict:
-        net = keras.models.clone_model(model)
-        net.set_weights(initial)
-        inner = keras.optimizers.RMSprop(1e-3)
-        opt = ng.SafeOptimizer(inner, clipnorm=1.0) if kind == "safe" else inner
-        net.compile(
-            optimizer=opt,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-        watch = _first_bad_weights_callback()
-        callbacks = [watch]
-        bad_batches: list[int] = []
-        if kind != "reference":
-            bad_batches = [7]
-            callbacks.append(
-                ng.faults.LearningRateSpike(at_steps=spike_steps, factor=float("inf"))
-            )
-        data = ng.faults.PoisonedBatches(
-            x[: steps_per_epoch * batch_size],
-            y[: steps_per_epoch * batch_size],
-            batch_size=batch_size,
-            bad_batches=bad_batches,
-        )
-        start = time.perf_counter()
-        net.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
-        seconds = time.perf_counter() - start
-        loss, acc = net.evaluate(x_test, y_test, verbose=0)
-        out = {
-            "first_bad_weights": watch.first_bad,
-            "test_loss": float(loss),
-            "test_accuracy": float(acc),
-            "seconds": seconds,
-        }
-        if kind == "safe":
-            out.update(opt.counters())
-            out["last_rejection"] = opt.describe_last_rejection()
-        return out
-
-    results = {kind: train(kind) for kind in ("plain", "safe", "reference")}
+    n = steps_per_epoch * batch_size
+    results = {
+        kind: _train(kind, model, (x[:n], y[:n]), (x_test, y_test), batch_size, epochs)
+        for kind in ("plain", "safe", "reference")
+    }
     if verbose:
         from keras_nanguard._backend import current as backend
 
-        _print(results, epochs, steps_per_epoch, spike_steps, backend.NAME)
+        _print(results, epochs, steps_per_epoch, SPIKE_STEPS, backend.NAME)
     return results
+
+
+def _train(
+    kind: str, model: Any, train: tuple, test: tuple, batch_size: int, epochs: int
+) -> dict:
+    """One run from `model`'s initial weights: "plain" and "safe" (under a
+    SafeOptimizer) with the faults, "reference" without them."""
+    import keras
+
+    import keras_nanguard as ng
+
+    net = keras.models.clone_model(model)
+    net.set_weights(model.get_weights())
+    inner = keras.optimizers.RMSprop(1e-3)
+    opt = ng.SafeOptimizer(inner, clipnorm=1.0) if kind == "safe" else inner
+    net.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    watch = _first_bad_weights_callback()
+    callbacks = [watch]
+    if kind != "reference":
+        spike = ng.faults.LearningRateSpike(at_steps=SPIKE_STEPS, factor=float("inf"))
+        callbacks.append(spike)
+    bad_batches = [] if kind == "reference" else [BAD_BATCH]
+    data = ng.faults.PoisonedBatches(
+        *train, batch_size=batch_size, bad_batches=bad_batches
+    )
+    start = time.perf_counter()
+    net.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
+    seconds = time.perf_counter() - start
+    loss, acc = net.evaluate(*test, verbose=0)
+    out = {
+        "first_bad_weights": watch.first_bad,
+        "test_loss": float(loss),
+        "test_accuracy": float(acc),
+        "seconds": seconds,
+    }
+    if isinstance(opt, ng.SafeOptimizer):
+        out.update(opt.counters())
+        out["last_rejection"] = opt.describe_last_rejection()
+    return out
 
 
 def _print(results: dict, epochs: int, steps: int, spike: list[int], backend: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import keras
 import numpy as np
@@ -88,15 +88,7 @@ class StableSoftmax(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if isinstance(axis, list):
-            axis = tuple(axis)
-        if not (
-            is_int(axis)
-            or (isinstance(axis, tuple) and axis and all(map(is_int, axis)))
-        ):
-            raise TypeError(
-                f"`axis` must be an int or a tuple of ints. Received: axis={axis!r}"
-            )
+        self.axis = _check_axis(axis)
         for name, value in (("soft_cap", soft_cap), ("hard_cap", hard_cap)):
             if value is not None and not (is_number(value) and value > 0):
                 raise ValueError(
@@ -119,11 +111,6 @@ class StableSoftmax(keras.layers.Layer):
             raise ValueError(
                 f"`nan_logits` must be one of {_NAN_LOGITS}. Received: nan_logits={nan_logits!r}"
             )
-        self.axis: int | tuple[int, ...] = (
-            int(axis)
-            if is_int(axis)
-            else tuple(int(a) for a in cast(tuple[int, ...], axis))
-        )
         self.soft_cap = None if soft_cap is None else float(soft_cap)
         self.hard_cap = None if hard_cap is None else float(hard_cap)
         self.temperature = float(temperature)
@@ -236,3 +223,16 @@ def _check_mask(mask: Any, x: Any) -> None:
             "must be 1 or match the corresponding input dimension. Received: "
             f"inputs.shape={x_shape}, mask.shape={m_shape}"
         )
+
+
+def _check_axis(axis: Any) -> int | tuple[int, ...]:
+    """`axis` as an int or a tuple of ints (a list is taken as a tuple)."""
+    if isinstance(axis, list):
+        axis = tuple(axis)
+    if is_int(axis):
+        return int(axis)
+    if isinstance(axis, tuple) and axis and all(map(is_int, axis)):
+        return tuple(int(a) for a in axis)
+    raise TypeError(
+        f"`axis` must be an int or a tuple of ints. Received: axis={axis!r}"
+    )

@@ -75,13 +75,7 @@ def diagnose(
     if not model.built:
         model(x, training=False)  # build it, without touching any state
     leaves = probes.leaf_layers(model)
-    if isinstance(optimizer, str):  # a name, as `compile` accepts
-        optimizer = keras.optimizers.get(optimizer)
-    if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`optimizer` must be a Keras optimizer, its name, or None. "
-            f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}"
-        )
+    optimizer = _optimizer(optimizer)
     # Every variable, seed generators' state included (not only `weights`):
     # the probes' training-mode calls advance Dropout's random stream.
     state = list(model.variables)
@@ -92,3 +86,15 @@ def diagnose(
     finally:
         for v, value in zip(state, saved, strict=True):
             v.assign(value)
+
+
+def _optimizer(optimizer: Any) -> keras.optimizers.Optimizer | None:
+    """The optimizer to check: one, its name (as `compile` accepts), or None."""
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a Keras optimizer, its name, or None. "
+            f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}"
+        )
+    return optimizer

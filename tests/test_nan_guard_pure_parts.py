@@ -1,0 +1,211 @@
+"""NaNGuard's pure-Python parts, tested alone (no model, no backend tensor):
+the epoch figures without left-out batches, the loss-spike window, the
+cadence of periodic jobs, and the replay of an incident's batches."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keras_nanguard.nan_guard import cadence, figures, loss_spikes, replay
+
+pytestmark = pytest.mark.backend_free
+
+losses = st.floats(0.0, 1e3, allow_nan=False, allow_infinity=False)
+
+
+# ----------------------------------------------------------- EpochFigures
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(losses, st.booleans()), min_size=1, max_size=30))
+def test_figures_are_the_mean_of_the_kept_batches(batches):
+    """As in `fit` under NaNGuard: Keras's running mean includes every batch
+    since its last reset; a bad batch is left out and the metrics are reset
+    before the next one. What the logs then show is the mean of the kept
+    batches, whatever the pattern."""
+    fig = figures.EpochFigures()
+    since_reset: list[float] = []
+    kept: list[float] = []
+    for value, bad in batches:
+        since_reset.append(value)
+        logs = {"loss": sum(since_reset) / len(since_reset)}
+        fig.add(logs, counted=1, leave_out=bad)
+        if bad:
+            fig.reset()
+            since_reset = []
+        else:
+            kept.append(value)
+        if kept:
+            assert logs["loss"] == pytest.approx(sum(kept) / len(kept), rel=1e-9)
+        else:
+            assert "loss" not in logs  # nothing kept: no figure, not NaN
+
+
+def test_figures_leave_a_batch_out_of_one_metric_only():
+    fig = figures.EpochFigures()
+    fig.add({"loss": 1.0, "mae": 2.0}, counted=1)
+    logs = {"loss": 2.0, "mae": float("nan")}  # running means of batches 0, 1
+    fig.add(logs, counted=1, leave_out=["mae"])
+    assert logs == {"loss": 2.0, "mae": 2.0}
+    fig.reset()
+    logs = {"loss": 4.0, "mae": 4.0, "nanguard_incidents": 1}
+    fig.add(logs, counted=1)
+    # loss: 2 batches of mean 2, then 4; mae: batch 0 (2), then 4.
+    assert logs == {"loss": pytest.approx(8 / 3), "mae": 3.0, "nanguard_incidents": 1}
+
+
+def test_epoch_end_logs_keep_validation_figures_as_keras_gives_them():
+    fig = figures.EpochFigures()
+    fig.add({"loss": float("nan")}, counted=1, leave_out=True)
+    logs = {"loss": float("nan"), "val_loss": 0.5}
+    fig.finish(logs)
+    assert logs == {"val_loss": 0.5}  # no kept training batch: no `loss`
+
+
+def test_figure_helpers():
+    assert figures.is_loss("loss") and figures.is_loss("policy_loss")
+    assert not figures.is_loss("val_accuracy_x")
+    assert figures.is_metric("accuracy", np.float32(0.5))
+    assert not figures.is_metric("nanguard_rejected_steps", 3)
+    assert not figures.is_metric("lr_schedule", "cosine")
+    assert figures.nonfinite(float("inf")) and not figures.nonfinite(1.0)
+    assert not figures.nonfinite("text")
+    assert figures.nonfinite_validation({"val_loss": 1.0, "loss": math.nan}) is None
+    assert figures.nonfinite_validation({"val_loss": math.nan, "val_mae": 1.0}) == (
+        "non-finite val_loss=nan at the end of the epoch. The weights are "
+        "finite: the validation data or the model's outputs on it are not."
+    )
+
+
+# ------------------------------------------------------------- LossSpikes
+@settings(max_examples=60, deadline=None)
+@given(st.lists(losses, min_size=2, max_size=20), st.integers(1, 3))
+def test_batch_losses_are_recovered_from_keras_running_means(values, k):
+    """`n·m_n - (n-1)·m_{n-1}`: each execution of `k` batches is recovered
+    (as their mean) from two consecutive running means."""
+    spikes = loss_spikes.LossSpikes(sigma=3.0, window=4, patience=2)
+    done = 0
+    for start in range(0, len(values) - k + 1, k):
+        chunk = values[start : start + k]
+        running = sum(values[: start + k]) / (start + k)
+        got = spikes.batch_loss(running, before=done, counted=k)
+        assert got == pytest.approx(sum(chunk) / k, rel=1e-6, abs=1e-6)
+        done += k
+
+
+def test_batch_loss_is_unknown_after_a_reset_until_a_segment_starts():
+    spikes = loss_spikes.LossSpikes(sigma=3.0, window=4, patience=2)
+    assert spikes.batch_loss(2.0, before=0, counted=1) == 2.0
+    spikes.segment_reset()
+    assert spikes.batch_loss(3.0, before=5, counted=1) is None  # no previous mean
+    assert spikes.batch_loss(float("nan"), before=6, counted=1) is None
+    assert spikes.batch_loss("text", before=0, counted=1) is None
+
+
+def test_a_spike_is_confirmed_after_patience_steps_with_its_figures():
+    spikes = loss_spikes.LossSpikes(sigma=2.0, window=4, patience=2)
+    for step, loss in enumerate([1.0, 1.2, 0.8, 1.0]):  # fills the window
+        assert spikes.see(loss, step, 1) is False
+    assert spikes.see(1.1, 4, 1) is False  # healthy: enters the window
+    assert spikes.see(10.0, 5, 1) is True  # high: a streak opens
+    assert spikes.see(None, 6, 1) is True  # unknown loss: the streak stays
+    spike = spikes.see(12.0, 7, 1)
+    window = [1.2, 0.8, 1.0, 1.1]
+    mean = sum(window) / 4
+    std = math.sqrt(sum((v - mean) ** 2 for v in window) / 4)
+    assert spike == loss_spikes.Spike(5, 2, 12.0, mean, std, 4)
+    assert spike.describe(2.0) == (
+        "the batch loss stayed more than 2 standard deviations above its "
+        f"rolling mean for 2 steps in a row (last loss 12, mean {mean:.4g}, "
+        f"std {std:.3g}, over the last 4 healthy batches)."
+    )
+    # Confirmed: the statistics start afresh.
+    assert (len(spikes.losses), spikes.streak_from, spikes.streak) == (0, None, 0)
+
+
+def test_a_healthy_loss_ends_a_streak():
+    spikes = loss_spikes.LossSpikes(sigma=2.0, window=2, patience=3)
+    spikes.see(1.0, 0, 1)
+    spikes.see(1.0 + 1e-3, 1, 1)
+    assert spikes.see(50.0, 2, 2) is True  # 2 steps of an execution
+    assert spikes.see(1.0, 4, 1) is False
+    assert (spikes.streak_from, spikes.streak) == (None, 0)
+
+
+# ---------------------------------------------------------------- Cadence
+def test_a_fixed_cadence_counts_steps():
+    every = cadence.Cadence(3, budget=0.01, min_every=1)
+    assert [every.due(0.1) for _ in range(3)] == [False, False, True]
+    every.done(cost=5.0)  # the cost does not matter with a fixed cadence
+    assert every.due(0.1, steps=2) is False
+    assert every.due(0.1) is True
+
+
+def test_an_auto_cadence_keeps_the_cost_within_the_budget():
+    auto = cadence.Cadence("auto", budget=0.01, min_every=10)
+    assert auto.due(None, steps=9) is False  # no cost known: every min_every
+    assert auto.due(None) is True
+    auto.done(cost=64.0)  # 64 s a job, 0.5 s a step: 1% is every 12800 steps
+    assert auto.due(0.5, steps=12799) is False
+    assert auto.due(0.5) is True
+    auto.done(cost=1e-6)  # cheap: min_every still holds
+    assert auto.due(0.5, steps=9) is False
+    assert auto.due(0.5) is True
+
+
+# ----------------------------------------------------------------- replay
+def test_replay_data_is_checked():
+    x, y = np.zeros((10, 2)), np.zeros((10,))
+    assert replay.check(None) is None
+    assert replay.check((x, y)) == (x, y)
+    with pytest.raises(ValueError, match=r"len\(x\)=10, len\(y\)=9"):
+        replay.check((x, y[:9]))
+    with pytest.raises(ValueError, match="`replay` must be"):
+        replay.check((x, y, y))
+    with pytest.raises(TypeError, match="`replay` must be"):
+        replay.check({"x": x})
+
+
+def test_replay_finds_the_one_bad_batch_of_an_execution():
+    x = np.arange(20, dtype="float32").reshape(10, 2)
+    y = np.arange(10, dtype="float32")
+    x[5, 1] = np.nan  # batch 2 of batch size 2
+    data, bad = replay.batches((x, y), batch_size=2, first=1, last=3)
+    assert bad == 2
+    np.testing.assert_array_equal(data[0], x[4:6])
+    np.testing.assert_array_equal(data[1], y[4:6])
+    # No bad batch among them: all, concatenated.
+    data, bad = replay.batches((x, y), batch_size=2, first=3, last=4)
+    assert bad is None
+    np.testing.assert_array_equal(data[0], x[6:10])
+    # Past the end of the data.
+    assert replay.batches((x, y), batch_size=2, first=5, last=6) == (None, None)
+    # `x` alone, one batch: its index is known only if it is bad.
+    data, bad = replay.batches(x, batch_size=4, first=0, last=0)
+    assert bad is None
+    np.testing.assert_array_equal(data[0], x[:4])
+
+
+def test_replay_reads_a_py_dataset():
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            x = np.full((2, 1), float(i), "float32")
+            if i == 1:
+                x[0, 0] = np.inf
+            return x, np.zeros((2,), "float32")
+
+    data = Batches()
+    assert replay.check(data) is data
+    item, bad = replay.batches(data, batch_size=99, first=0, last=2)
+    assert bad == 1
+    assert float(item[0][1, 0]) == 1.0
