@@ -75,7 +75,9 @@ class BatchWatch:
         self.step_seconds: float | None = None
         self.reset_at: int | None = None  # Keras's metrics reset before this step
         self.run_reset_at: int | None = None  # the streak restarts at this step
-        self.leave_out_until = 0  # steps before it are left out of the figures
+        # Steps before it are left out of the figures (`math.inf`: all, until
+        # the training thread acts).
+        self.leave_out_until: float = 0
         self._last_time: float | None = None
         self._bad_before = False
         self.begin_epoch(0, 0)

@@ -19,7 +19,7 @@ class Cadence:
     def due(self, step_seconds: float | None, steps: int = 1) -> bool:
         """Whether the job is due after `steps` more steps of `step_seconds`."""
         self.since += steps
-        if self.every != "auto":
+        if isinstance(self.every, int):  # else "auto"
             return self.since >= self.every
         if self.cost is None or not step_seconds:
             return self.since >= self.min_every

@@ -1,4 +1,10 @@
-"""NaNGuard: watch `model.fit`, keep a good state, roll back or stop, say why."""
+"""NaNGuard: watch `model.fit`, keep a good state, roll back or stop, say why.
+
+The hooks live here; what they do is in NaNGuard's parts (see this
+folder's `__init__`), which the guard holds: for its life an `IncidentLog`,
+a `SnapshotKeeper` and a `Teller`, and for each `fit` a `FitState` with the
+training thread's `Turns`. Threads: docs/nan_guard.md.
+"""
 
 from __future__ import annotations
 
@@ -18,16 +24,16 @@ from keras_nanguard._validation import (
     check_output_paths,
     check_positive,
 )
-from keras_nanguard.incidents import Incident
+from keras_nanguard.incidents import Incident, write_json
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
 from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard import runs as _runs
 from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
-from keras_nanguard.nan_guard.batch_watch import watch_for_fit
-from keras_nanguard.nan_guard.cadence import Cadence
-from keras_nanguard.nan_guard.figures import nonfinite_validation
-from keras_nanguard.nan_guard.responses import Responses
-from keras_nanguard.nan_guard.telling import Telling, warn
+from keras_nanguard.nan_guard import telling
+from keras_nanguard.nan_guard.fit_state import Settings, start_fit
+from keras_nanguard.nan_guard.incident_log import IncidentLog
+from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
+from keras_nanguard.nan_guard.turns import Turns
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 # A batch end waits at most this long for the one before it (Keras's worker
@@ -40,51 +46,29 @@ _MAX_LAG = 2
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
-class NaNGuard(Responses, Telling, keras.callbacks.Callback):
+class NaNGuard(keras.callbacks.Callback):
     """Watches `model.fit`, keeps a last-known-good state, and acts on trouble.
 
-    NaNGuard snapshots every weight, optimizer variable and random stream
-    (`SeedGenerator` state) when all are finite: at the first batch (after
-    every callback's `on_train_begin`, so after `BackupAndRestore` loaded
-    its backup), every `snapshot_every` steps, at each
-    epoch's end and at the end (optionally to `directory`); on JAX and
-    PyTorch a copy on the device when it has room, else on the host. A
-    snapshot becomes the rollback point once a later batch was healthy.
-    *Trouble* is a non-finite state; a non-finite loss with a plain
-    optimizer (the update was applied); `max_rejections` steps in a row
-    rejected by a `SafeOptimizer` (NaNGuard attaches it to the model), or
-    its halt; and, with `loss_spike_sigma` set, a loss spike (kind
-    `"loss_spike"`; the rollback point then predates the spike). A single
-    rejected step is recorded but is not trouble: nothing was applied. On
-    trouble:
-
-    - `"rollback"` (default): restore the snapshot, multiply the learning rate
-      by `lr_factor` (not a schedule: the action says so), discard the
-      next `skip_batches` batches, and go on;
-      after `patience` rollbacks with no fresh good snapshot in between, stop.
-    - `"stop"`: restore the snapshot and stop; `fit` returns a finite model.
-    - `"raise"`: restore the snapshot and raise `keras_nanguard.NonFiniteError`.
-    - `"warn"`: only warn.
-
-    Each incident is kept in `guard.incidents` and told once, with its
-    action (see `verbose`). Bad batches are left out of the epoch's loss and
-    metrics (a non-finite metric with a finite loss, kind
-    `"nonfinite_metric"`, out of that metric only; a non-finite `val_`
-    figure with finite weights is kind `"nonfinite_validation"`, not
-    trouble): NaNGuard edits `logs` in
-    place, so list it before `ModelCheckpoint`, `BackupAndRestore`,
-    `EarlyStopping`, `CSVLogger` and `TensorBoard`. It adds
-    `nanguard_incidents`, `nanguard_rollbacks` and, with a SafeOptimizer,
-    `nanguard_rejected_steps` and `nanguard_grad_norm` to the logs.
-
-    On JAX and PyTorch NaNGuard is asynchronous (`async_safe`): it acts
-    at most two executions after a bad batch. `steps_per_execution`,
-    models built by `fit`, copies made by KerasTuner (`guard.runs`): see the
-    README.
+    NaNGuard keeps a snapshot of the model and its optimizer that a later,
+    healthy batch proved good. On *trouble* (a non-finite state; a
+    non-finite loss with a plain optimizer; `max_rejections` steps in a row
+    rejected by a `SafeOptimizer`, or its halt; with `loss_spike_sigma`, a
+    loss spike) it follows `policy`. Each
+    incident is kept in `guard.incidents` and told once, with its action.
+    It leaves bad batches out of the epoch's figures, in `logs`: list it
+    before `ModelCheckpoint`, `BackupAndRestore`, `EarlyStopping`,
+    `CSVLogger` and `TensorBoard`. What counts as trouble, when snapshots
+    are taken, the figures it logs, and why it may act up to two batches
+    late on JAX and PyTorch: docs/nan_guard.md.
 
     Args:
-        policy: `"rollback"`, `"stop"`, `"raise"` or `"warn"`. Defaults to
-            `"rollback"`.
+        policy: what to do on trouble. `"rollback"`: restore the snapshot,
+            multiply the learning rate by `lr_factor`, discard the next
+            `skip_batches` batches and go on; after `patience` rollbacks
+            with no fresh good snapshot in between, stop. `"stop"`: restore
+            the snapshot and stop; `fit` returns a finite model. `"raise"`:
+            restore the snapshot and raise `keras_nanguard.NonFiniteError`.
+            `"warn"`: only warn. Defaults to `"rollback"`.
         snapshot_every: steps between snapshots (int >= 1), or `"auto"`: as
             often as keeps their cost under `snapshot_budget` of the training
             time, at least 10 steps apart. Defaults to `"auto"`.
@@ -93,7 +77,8 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
             >= 1) or `"auto"`, only for steps that do not log its total (a
             custom `train_step`). Defaults to `"auto"`.
         lr_factor: float in (0, 1]: learning-rate multiplier at each rollback
-            (1 keeps it). Defaults to 0.5.
+            (1 keeps it; a schedule is not lowered, and the action says so).
+            Defaults to 0.5.
         skip_batches: int >= 0: batches discarded after a rollback (their
             updates are undone). Defaults to 0.
         patience: int >= 0: rollbacks allowed without a fresh good snapshot in
@@ -106,7 +91,8 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         loss_spike_window: int >= 2: healthy batches in the rolling mean and
             standard deviation. Defaults to 100.
         loss_spike_patience: int >= 1: steps in a row with a high loss that
-            make a spike. Defaults to 3.
+            make a spike (kind `"loss_spike"`; the rollback point then
+            predates it). Defaults to 3.
         directory: optional `str` or `os.PathLike`; the rollback point is
             also written there, atomically, as `nanguard_snapshot.npz`, with
             the learning rate to go on with (load it with `NaNGuard.restore`),
@@ -187,192 +173,229 @@ class NaNGuard(Responses, Telling, keras.callbacks.Callback):
         self.replay = _replay.check(replay)
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.verbose = check_choice("verbose", verbose, (0, 1))
-        self.incidents: list[Incident] = []
-        self.rollbacks = 0
-        # `snapshot` is the rollback point. A new snapshot is pending
-        # (`_pendings`, oldest first) until a later batch is healthy, so a
-        # finite but ruinous update is not kept as "good" before its damage
-        # shows. `_spare` holds the previous buffers for reuse.
-        self.snapshot: snapshots.Snapshot | None = None
-        self._pendings: list[snapshots.Snapshot] = []
-        self._spare: snapshots.Snapshot | None = None
-        self.snapshots_taken = 0
+        # What outlives a fit: the incidents, the rollback point and the
+        # counts, what has been told. `_turns`: the fit under way (or the last).
+        self._log = IncidentLog()
+        self._keeper = SnapshotKeeper()
+        self._teller = telling.Teller()
+        self._turns: Turns | None = None
         self._fits = 0
         # Its copies (KerasTuner makes one per trial), or what it is a copy of.
         self.runs: list[NaNGuard] = []
         self.origin: NaNGuard | None = None
         self.run_index: int | None = None
+        self._epochs: _runs.Epochs | None = None  # a copy's, see `runs`
 
     # On JAX and torch Keras runs `on_train_batch_end` in worker threads,
     # only when every callback is async-safe. On TensorFlow it stays in line.
     async_safe = keras.backend.backend() in ("jax", "torch")
 
+    # ------------------------------------------------------------ what it keeps
+    @property
+    def incidents(self) -> list[Incident]:
+        return self._log.incidents
+
+    @incidents.setter
+    def incidents(self, value: list[Incident]) -> None:
+        self._log.incidents = value
+
+    @property
+    def rollbacks(self) -> int:
+        return self._keeper.rollbacks
+
+    @rollbacks.setter
+    def rollbacks(self, value: int) -> None:
+        self._keeper.rollbacks = value
+
+    @property
+    def snapshot(self) -> snapshots.Snapshot | None:
+        """The rollback point: the last snapshot a healthy batch proved."""
+        return self._keeper.point
+
+    @snapshot.setter
+    def snapshot(self, value: snapshots.Snapshot | None) -> None:
+        self._keeper.point = value
+
+    @property
+    def snapshots_taken(self) -> int:
+        return self._keeper.kept
+
+    @snapshots_taken.setter
+    def snapshots_taken(self, value: int) -> None:
+        self._keeper.kept = value
+
     # ------------------------------------------------------------ lifecycle
-    # Threads: `on_train_batch_end` may run in Keras's worker threads, the
-    # other hooks run on the training thread. They share `self._watch` (the
-    # batch-end side's state, `batch_watch.BatchWatch`) under `self._lock`; the
-    # batch-end side queues `Event`s there, the training thread takes them
-    # in `_act`. Only the training thread touches the model.
+    # `on_train_batch_end` may run in Keras's worker threads, the other hooks
+    # run on the training thread: see `fit_state` and docs/nan_guard.md.
     def on_train_begin(self, logs: dict | None = None) -> None:
         # Again: the paths may have changed since the constructor.
         check_output_paths(self.directory, self.report_path, writable=True)
-        self._fit = self._fits
-        self._fits += 1
-        self._thread = threading.get_ident()
-        self._lock = threading.Condition()
-        self._epoch = self._now = self._seen = self._checked_at = 0
-        self._checked_at = -1
-        self._open: Incident | None = None
-        self._rollbacks_since_snapshot = 0
-        self._resumed_at = 0  # events of earlier steps ran on an undone state
-        self._restored_at = -1  # `_now` when the snapshot was last restored
-        self._discard_until: int | None = None
-        self._stopping = self._in_epoch = False
-        # Keras's `Callback.model` syncs JAX state at each access (and so makes
-        # the next step gather it again): NaNGuard reads it once per fit and
-        # syncs only where it reads or changes the model.
-        self._net = self.model
-        self._k = max(1, int(getattr(self._net, "steps_per_execution", 1) or 1))
-        self._safe = snapshots.find_safe_optimizer(self._net.optimizer)
+        settings = Settings.of(self)
+        net = self.model  # once: see `FitState.net`
         if self.policy == "rollback":  # the only policy that lowers the rate
-            said = _learning_rate.schedule_warning(self._net.optimizer, self.lr_factor)
+            said = _learning_rate.schedule_warning(net.optimizer, self.lr_factor)
             if said is not None:
-                warn(said)
-        if self._safe is not None:  # a rejected step keeps BN statistics too
-            self._safe.attach(self._net)
-            snapshots.sync_from_device(self._net)
-        self._watch = watch_for_fit(
-            self._safe,
-            self.loss_spike_sigma,
-            self.loss_spike_window,
-            self.loss_spike_patience,
-        )
-        self._snapshots = Cadence(self.snapshot_every, self.snapshot_budget, 10)
-        self._checks = Cadence(self.check_every, 0.01, 1)
-        # The last fit's rollback point only lends its buffers.
-        self._spare = self.snapshot or self._spare
-        self.snapshot, self._pendings = None, []
-        # The first snapshot waits for the first batch begin (`_take_turn`):
+                telling.warn(said)
+        state = start_fit(self._fits, net, settings)
+        self._fits += 1
+        self._keeper.begin_fit()
+        self._log.begin_fit()
+        # The first snapshot waits for the first batch begin (`Turns.take`):
         # a callback's `on_train_begin` (`BackupAndRestore`) may still load
         # the state training really starts from, whatever the order.
-        self._started = False
+        self._turns = Turns.for_fit(
+            settings, state, self._log, self._keeper, self.report, self._write_report
+        )
+
+    def _current(self) -> Turns:
+        if self._turns is None:
+            raise RuntimeError(
+                "NaNGuard's hooks run inside `fit`, after `on_train_begin`. "
+                "Received: a hook called before `on_train_begin`"
+            )
+        return self._turns
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch, self._in_epoch = epoch, True
-        with self._lock:
-            self._watch.begin_epoch(epoch, self._watch.steps_done)
+        state = self._current().state
+        state.epoch, state.in_epoch = epoch, True
+        with state.lock:
+            state.watch.begin_epoch(epoch, state.watch.steps_done)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        with self._lock:
-            watch = self._watch
+        state = self._current().state
+        with state.lock:
+            watch = state.watch
             watch.begins.append(batch)
-            self._now = now = watch.base + batch
+            state.now = now = watch.base + batch
             # Bounds how late an action can be: the device may run ahead of
             # the batch ends by `_MAX_LAG` executions, no more.
-            lag = _MAX_LAG * self._k
-            self._lock.wait_for(lambda: watch.steps_done >= now - lag, _ORDER_TIMEOUT)
+            lag = _MAX_LAG * state.k
+            state.lock.wait_for(lambda: watch.steps_done >= now - lag, _ORDER_TIMEOUT)
         self._act()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
+        state = self._current().state
         per_epoch = (self.params or {}).get("steps")
-        with self._lock:
-            watch = self._watch
-            first = watch.first_of(batch, self._k)
+        with state.lock:
+            watch = state.watch
+            first = watch.first_of(batch, state.k)
             # Keras's workers may start batch ends out of order.
-            self._lock.wait_for(lambda: watch.next_batch >= first, _ORDER_TIMEOUT)
+            state.lock.wait_for(lambda: watch.next_batch >= first, _ORDER_TIMEOUT)
             # With `steps_per_execution` the last execution may be shorter.
             last = min(batch, per_epoch - 1) if per_epoch else batch
             watch.end(first, max(first, last), logs)
-            self._lock.notify_all()
-        if threading.get_ident() == self._thread:  # Keras calls it in line
-            self._now = watch.steps_done
+            state.lock.notify_all()
+            steps_done = watch.steps_done
+        if threading.get_ident() == state.thread:  # Keras calls it in line
+            state.now = steps_done
             self._act()
         self._publish(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        self._now = self._watch.steps_done  # Keras waited for its workers
+        turns = self._current()
+        turns.state.now = turns.state.watch.steps_done  # Keras waited for them
         self._act(snapshot=False)
-        if self._stopping:  # undo the step that ran after the stop
-            self._restore()
-        with self._lock:
-            self._watch.figures.finish(logs)
-        if not self._started:  # no batch in this epoch built the model
-            self._publish(logs)
-            return
-        self._poll_counters(0, None, force=True)
-        bad: list[str] = []  # else the state is the snapshot's, or checked now
-        if not self._stopping and self._restored_at != self._now:
-            snap, bad = self._capture(verify=True)  # one read per epoch
-            if snap is None:
-                self._record(
-                    None, "nonfinite_weights", "found at the end of the epoch.", bad
-                )
-                self._trouble()
-            else:
-                snap.epoch = epoch + 1
-                self._pendings.append(snap)
-                self._snapshots.done(snap.seconds)
-        detail = nonfinite_validation(logs)
-        if detail is not None and not bad:  # the weights are finite
-            self._record(None, "nonfinite_validation", detail, [])  # not trouble
-        _runs.epoch_end(self, logs)  # a copy KerasTuner runs
+        checked = turns.end_epoch(epoch, logs)
+        if checked and self._epochs is not None:  # a copy KerasTuner runs
+            _runs.epoch_end(
+                self._epochs, turns.state, self.snapshot, self.incidents, logs
+            )
         self._tell()
         self._publish(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._now, self._in_epoch = self._watch.steps_done, False  # bar ended
+        turns = self._current()
+        state = turns.state
+        state.now, state.in_epoch = state.watch.steps_done, False  # bar ended
         self._act(snapshot=False)
-        if self._stopping and self._restored_at != self._now:
-            self._restore()
-        if self._started and self._restored_at != self._now:
-            self._keep_final_state()
-        elif self.snapshot is not None:  # the state is the rollback point's
-            self._save(self.snapshot)  # with the learning rate as it is now
+        turns.snapshotter.finish()
         self._write_report()
-        _runs.release(self)
+        if self.origin is not None:  # a copy's run has ended
+            self._release()
 
     def _act(self, snapshot: bool = True) -> None:
-        """The training thread's turn: acts on what the batch ends found,
-        promotes a proven snapshot, takes a due one, then tells the new
-        incidents. Touches the model only when there is something to do."""
+        """The training thread's turn (`Turns.take`), then the new incidents
+        told, also when the turn raised."""
         try:
-            self._take_turn(snapshot)
+            self._current().take(snapshot)
         finally:
             self._tell()
 
-    def _take_turn(self, snapshot: bool) -> None:
-        with self._lock:
-            events, self._watch.events = self._watch.events, []
-            healthy = self._watch.healthy_step
-            step_seconds = self._watch.step_seconds
-        steps, self._seen = self._now - self._seen, self._now
-        if not self._started and self._net.built:
-            self._start()
-        # A healthy batch after the pending snapshot proves it, even if a
-        # later one is bad: promote it before acting on that one.
-        self._promote(healthy)
-        for ev in events:
-            self._handle(ev)
-        if self._stopping:
-            return
-        if self._discard_until is not None:  # `skip_batches` after a rollback
-            if self._now < self._discard_until:
-                return  # batches to discard still run
-            self._discard_until = None
-            self._restore()  # undoes them
-            self._reset_metrics(self._now, restored=True)
-        self._poll_counters(steps, step_seconds, force=False)
-        if snapshot and self._started and not events and not self._stopping:
-            with self._lock:
-                clean = self._watch.leave_out_until <= self._now
-            if clean:
-                self._maybe_snapshot(steps, step_seconds)
+    # ------------------------------------------------------------ telling
+    def _tell(self) -> None:
+        state = self._current().state
+        with state.lock:
+            next_batch = state.watch.next_batch
+        bar = telling.bar_open(state.in_epoch, next_batch, self.params)
+        self._teller.tell(self.incidents, self.verbose, bar)
 
-    def __deepcopy__(self, memo: dict) -> NaNGuard:
-        return _runs.copy_of(self, memo)  # a fresh guard, in `self.runs`
+    def _publish(self, logs: dict) -> None:
+        state = self._current().state
+        rejected = None
+        if state.safe is not None:  # an attached step logs its own, exactly
+            with state.lock:
+                rejected = state.watch.rejected
+        telling.publish(logs, len(self.incidents), self.rollbacks, rejected)
 
+    def _write_report(self) -> None:
+        if self.report_path is not None:
+            write_json(self.report_path, self.report())
+        if self.origin is not None:  # the runs together, in the origin's
+            self.origin._write_report()
+
+    def report(self) -> dict[str, Any]:
+        """Everything NaNGuard saw, as a JSON-ready dict.
+
+        Example:
+
+        >>> import keras_nanguard as ng
+        >>> ng.NaNGuard().report()["incidents"]
+        []
+        """
+        return telling.report(self.policy, self.rollbacks, self.incidents, self.runs)
+
+    def summary(self) -> str:
+        """The incidents in words, one per line.
+
+        Example:
+
+        >>> import keras_nanguard as ng
+        >>> ng.NaNGuard().summary()
+        'NaNGuard: no incidents.'
+        """
+        return telling.summary(self.incidents, self.rollbacks, self.runs)
+
+    # ------------------------------------------------------------ copies
+    def __deepcopy__(self, memo: dict[int, Any]) -> NaNGuard:
+        """A fresh guard with the same configuration, registered in its
+        origin's `runs`, with its own files (see `runs`). Earlier runs that
+        raised have ended: their model and snapshots are let go."""
+        origin = self.origin or self
+        for run in origin.runs:
+            if run.incidents and "raised NonFiniteError" in run.incidents[-1].action:
+                run._release()
+        index = len(origin.runs)
+        config = origin.get_config()
+        config["report_path"] = _runs.run_report_path(origin.report_path, index)
+        config["directory"] = _runs.run_directory(origin.directory, index)
+        copy = type(origin).from_config(config)
+        copy.replay = origin.replay  # data, shared (see `runs`)
+        copy.origin, copy.run_index, copy._epochs = origin, index, _runs.Epochs()
+        memo[id(self)] = copy
+        origin.runs.append(copy)
+        return copy
+
+    def _release(self) -> None:
+        """Lets a finished copy's model and snapshot buffers go: the origin
+        keeps every run, and a search must not keep every trial's model with
+        it. Its incidents, report and files stay."""
+        self._keeper.release()
+        self._turns = None
+        self.set_model(None)
+
+    # ------------------------------------------------------------ files, config
     @staticmethod
     def restore(model: keras.Model, directory: str | os.PathLike) -> int:
         """Loads the snapshot NaNGuard wrote into `directory` into `model`.

@@ -38,7 +38,7 @@ class LossSpikes:
     """Rolling statistics of healthy batch losses, and the open streak."""
 
     def __init__(self, sigma: float, window: int, patience: int) -> None:
-        self.sigma, self.patience = sigma, patience
+        self.sigma, self.patience, self.window = sigma, patience, window
         self.losses: collections.deque[float] = collections.deque(maxlen=window)
         self.streak_from: int | None = None  # first step of the open streak
         self.streak = 0
@@ -66,7 +66,7 @@ class LossSpikes:
         if loss is None:
             return self.streak_from is not None
         n = len(self.losses)
-        if n < self.losses.maxlen:  # not armed until the window is full
+        if n < self.window:  # not armed until the window is full
             self.losses.append(loss)
             return False
         mean = sum(self.losses) / n

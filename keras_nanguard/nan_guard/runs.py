@@ -38,28 +38,12 @@ from typing import Any
 
 import keras
 
+from keras_nanguard.incidents import Incident
+
 # NaNGuard's own counters in the logs stay as they are (`is_metric`).
 from keras_nanguard.nan_guard.figures import is_metric
-
-
-def copy_of(guard: Any, memo: dict) -> Any:
-    """A fresh copy of `guard` (`copy.deepcopy`), registered in
-    `origin.runs`, with its own files. Earlier runs that raised have ended:
-    their model and snapshot are let go (see `release`)."""
-    origin = guard.origin or guard
-    for run in origin.runs:
-        if run.incidents and "raised NonFiniteError" in run.incidents[-1].action:
-            release(run)
-    index = len(origin.runs)
-    config = origin.get_config()
-    config["report_path"] = run_report_path(origin.report_path, index)
-    config["directory"] = run_directory(origin.directory, index)
-    copy = type(origin).from_config(config)
-    copy.replay = origin.replay  # data, shared (see the module's docstring)
-    copy.origin, copy.run_index, copy._epochs = origin, index, Epochs()
-    memo[id(guard)] = copy
-    origin.runs.append(copy)
-    return copy
+from keras_nanguard.nan_guard.fit_state import FitState
+from keras_nanguard.snapshots import Snapshot
 
 
 def run_report_path(path: str | None, index: int) -> str | None:
@@ -84,21 +68,26 @@ class Epochs:
     ends: list[tuple[int, list[str]]] = dataclasses.field(default_factory=list)
 
 
-def epoch_end(guard: Any, logs: dict) -> None:
-    """At each epoch's end of a copy, under KerasTuner: once it stops for
-    trouble, sets the figures of the epochs since its rollback point to NaN,
-    this epoch's in `logs`, earlier ones in the model's `History` (see the
-    module's docstring)."""
-    if guard.origin is None or not _tuning():
+def epoch_end(
+    epochs: Epochs,
+    state: FitState,
+    point: Snapshot | None,
+    incidents: list[Incident],
+    logs: dict[str, Any],
+) -> None:
+    """At each epoch's end of a copy (its `epochs`), under KerasTuner: once
+    it stops for trouble, sets the figures of the epochs since its rollback
+    `point` to NaN, this epoch's in `logs`, earlier ones in the model's
+    `History` (see the module's docstring)."""
+    if not _tuning():
         return
-    epochs = guard._epochs
-    if epochs.fit != guard._fit:  # a new fit
-        epochs.fit, epochs.ends = guard._fit, []
-    epochs.ends.append((guard._now, [k for k, v in logs.items() if _figure(k, v)]))
-    if not guard._stopping or guard.snapshot is None:
+    if epochs.fit != state.fit:  # a new fit
+        epochs.fit, epochs.ends = state.fit, []
+    epochs.ends.append((state.now, [k for k, v in logs.items() if _figure(k, v)]))
+    if not state.stopping or point is None:
         return
-    since = guard.snapshot.step  # no state after it proved good
-    history = getattr(guard._net, "history", None)  # set by History each epoch
+    since = point.step  # no state after it proved good
+    history = getattr(state.net, "history", None)  # set by History each epoch
     figures = history.history if isinstance(history, keras.callbacks.History) else {}
     seen: dict[str, int] = {}
     marked = []
@@ -113,12 +102,12 @@ def epoch_end(guard: Any, logs: dict) -> None:
             elif index < len(figures.get(key, [])):
                 figures[key][index] = math.nan
         if end > since:
-            marked.append(guard._epoch - len(epochs.ends) + 1 + epoch)
-    _tell_marked(guard, marked)
+            marked.append(state.epoch - len(epochs.ends) + 1 + epoch)
+    _tell_marked(incidents, marked)
 
 
-def _tell_marked(guard: Any, marked: list[int]) -> None:
-    inc = guard.incidents[-1] if guard.incidents else None
+def _tell_marked(incidents: list[Incident], marked: list[int]) -> None:
+    inc = incidents[-1] if incidents else None
     if not marked or inc is None or "set to NaN" in inc.action:
         return
     which = ", ".join(map(str, marked))
@@ -126,17 +115,6 @@ def _tell_marked(guard: Any, marked: list[int]) -> None:
         f"; the figures of epoch{'s' if len(marked) > 1 else ''} {which} set to "
         "NaN, so that KerasTuner scores the trial as it would without NaNGuard"
     )
-
-
-def release(guard: Any) -> None:
-    """Lets a finished copy's model and snapshot buffers go: the origin keeps
-    every run, and a search must not keep every trial's model with it. Its
-    incidents, report and files stay."""
-    if guard.origin is None:
-        return
-    guard.snapshot, guard._pendings, guard._spare = None, [], None
-    guard._net = guard._safe = None
-    guard.set_model(None)
 
 
 def _tuning() -> bool:

@@ -18,90 +18,104 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import keras
 
-from keras_nanguard.incidents import Incident, write_json
+from keras_nanguard.incidents import Incident
 from keras_nanguard.nan_guard.batch_watch import REJECTED
 
 LOG = logging.getLogger("keras_nanguard")
 _OURS = ("keras", "keras_nanguard")  # frames a warning does not point at
 
 
-class Telling:
-    """The telling half of `NaNGuard` (a mixin: the state is the callback's):
-    each incident once, the summary, the JSON report."""
+class Told(Protocol):
+    """What `report` and `summary` read of a guard's runs (its copies)."""
 
-    _told = 0  # incidents told, the last of them with the action `_told_as`
-    _told_as: str | None = None
+    @property
+    def run_index(self) -> int | None: ...
 
-    def report(self) -> dict[str, Any]:
-        """Everything NaNGuard saw, as a JSON-ready dict.
+    @property
+    def report_path(self) -> str | None: ...
 
-        Example:
+    @property
+    def incidents(self) -> list[Incident]: ...
 
-        >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().report()["incidents"]
-        []
-        """
-        out = {
-            "policy": self.policy,
-            "rollbacks": self.rollbacks,
-            "incidents": [i.to_dict() for i in self.incidents],
-        }
-        if self.runs:  # its copies' (KerasTuner's trials), one per run
-            out["runs"] = [
-                {"run": r.run_index, "report_path": r.report_path, **r.report()}
-                for r in self.runs
-            ]
-        return out
+    def report(self) -> dict[str, Any]: ...
 
-    def summary(self) -> str:
-        """The incidents in words, one per line.
+    def summary(self) -> str: ...
 
-        Example:
 
-        >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().summary()
-        'NaNGuard: no incidents.'
-        """
-        lines = [f"NaNGuard: {_count(self.incidents, self.rollbacks)}."]
-        if self.runs:  # its copies (KerasTuner makes one per trial)
-            total = sum(len(r.incidents) for r in self.runs)
-            lines[0] += f" Its {len(self.runs)} runs: {total} incidents in all."
-        lines += [f"  {i}" for i in self.incidents]
-        for run in self.runs:
-            told = run.summary().splitlines()
-            lines.append(f"  run {run.run_index}: {told[0].removeprefix('NaNGuard: ')}")
-            lines += [f"  {line}" for line in told[1:]]
-        return "\n".join(lines)
+def report(
+    policy: str, rollbacks: int, incidents: list[Incident], runs: Sequence[Told]
+) -> dict[str, Any]:
+    """A guard's report (`NaNGuard.report`), with its runs' reports."""
+    out: dict[str, Any] = {
+        "policy": policy,
+        "rollbacks": rollbacks,
+        "incidents": [i.to_dict() for i in incidents],
+    }
+    if runs:  # its copies' (KerasTuner's trials), one per run
+        out["runs"] = [
+            {"run": r.run_index, "report_path": r.report_path, **r.report()}
+            for r in runs
+        ]
+    return out
 
-    def _write_report(self) -> None:
-        if self.report_path is not None:
-            write_json(self.report_path, self.report())
-        if self.origin is not None:  # the runs together, in the origin's
-            self.origin._write_report()
 
-    def _publish(self, logs: dict) -> None:
-        logs["nanguard_incidents"] = len(self.incidents)
-        logs["nanguard_rollbacks"] = self.rollbacks
-        if self._safe is not None:  # an attached step logs its own, exactly
-            logs.setdefault(REJECTED, self._watch.rejected)
+def summary(incidents: list[Incident], rollbacks: int, runs: Sequence[Told]) -> str:
+    """A guard's summary (`NaNGuard.summary`), with its runs' summaries."""
+    lines = [f"NaNGuard: {_count(incidents, rollbacks)}."]
+    if runs:  # its copies (KerasTuner makes one per trial)
+        total = sum(len(r.incidents) for r in runs)
+        lines[0] += f" Its {len(runs)} runs: {total} incidents in all."
+    lines += [f"  {i}" for i in incidents]
+    for run in runs:
+        told = run.summary().splitlines()
+        lines.append(f"  run {run.run_index}: {told[0].removeprefix('NaNGuard: ')}")
+        lines += [f"  {line}" for line in told[1:]]
+    return "\n".join(lines)
 
-    def _tell(self) -> None:
+
+def publish(
+    logs: dict[str, Any], incidents: int, rollbacks: int, rejected: int | None
+) -> None:
+    """Adds NaNGuard's figures to `logs`; `rejected`: a SafeOptimizer's total
+    of rejected steps, if there is one (an attached step logs its own)."""
+    logs["nanguard_incidents"] = incidents
+    logs["nanguard_rollbacks"] = rollbacks
+    if rejected is not None:
+        logs.setdefault(REJECTED, rejected)
+
+
+class Teller:
+    """Tells each incident once its action is known (see the module's
+    docstring), and again if its action changed since. A guard keeps one
+    for its life, as its incidents outlive a `fit`. Training thread only."""
+
+    def __init__(self) -> None:
+        self.told = 0  # incidents told
+        self.told_as: str | None = None  # the action the last one was told with
+
+    def tell(self, incidents: list[Incident], verbose: int, bar: bool) -> None:
         """Tells the incidents not told yet, and the last one told again if
-        its action changed since. Training thread only."""
-        incidents = self.incidents
-        bar = self._in_epoch and self._watch.next_batch > 0
-        bar = bar and _bar_in_place(self.params)
-        start = self._told
-        if start and incidents[start - 1].action != self._told_as:
+        its action changed since; `bar`: `fit`'s progress bar has a line
+        open (see `bar_open`)."""
+        start = self.told
+        if start and incidents[start - 1].action != self.told_as:
             start -= 1
         for inc in incidents[start:]:
-            bar = _say(inc, self.verbose, bar)
+            bar = _say(inc, verbose, bar)
         if incidents:
-            self._told, self._told_as = len(incidents), incidents[-1].action
+            self.told, self.told_as = len(incidents), incidents[-1].action
+
+
+def bar_open(in_epoch: bool, next_batch: int, params: dict[str, Any] | None) -> bool:
+    """Whether `fit`'s progress bar has a line open that a message would
+    continue: in an epoch, after its first batch, with a bar that rewrites
+    its line in place."""
+    return in_epoch and next_batch > 0 and _bar_in_place(params)
 
 
 def _count(incidents: list[Incident], rollbacks: int) -> str:

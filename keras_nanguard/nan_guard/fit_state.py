@@ -1,0 +1,120 @@
+"""What NaNGuard's parts share during one `fit`: the settings it runs with
+(`Settings`) and the state it keeps (`FitState`), both made afresh in
+`on_train_begin`.
+
+Threads: Keras may run `on_train_batch_end` in its worker threads (JAX,
+PyTorch: NaNGuard is `async_safe` there); every other hook runs on the
+thread that runs `fit`, the training thread. The two sides share only
+`FitState.watch`, under `FitState.lock`; everything else in a `FitState` is
+the training thread's, but for the fields set once in `on_train_begin`,
+which both read. Only the training thread touches the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import keras
+
+from keras_nanguard import snapshots
+from keras_nanguard.nan_guard.batch_watch import BatchWatch, watch_for_fit
+from keras_nanguard.nan_guard.cadence import Cadence
+from keras_nanguard.nan_guard.safe_counters import SafeCounters
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The guard's settings that a `fit` runs with, as they were when it
+    began (see `NaNGuard`'s arguments; `report_path` and `verbose` are the
+    guard's telling side's, read when it tells)."""
+
+    policy: str = "rollback"
+    snapshot_every: int | str = "auto"
+    snapshot_budget: float = 0.01
+    check_every: int | str = "auto"
+    lr_factor: float = 0.5
+    skip_batches: int = 0
+    patience: int = 3
+    max_rejections: int = 3
+    loss_spike_sigma: float | None = None
+    loss_spike_window: int = 100
+    loss_spike_patience: int = 3
+    directory: str | None = None
+    replay: Any = None
+    batch_size: int = 32
+
+    @classmethod
+    def of(cls, guard: object) -> Settings:
+        """The settings of `guard` now: its attributes of the same names."""
+        return cls(**{f.name: getattr(guard, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass
+class FitState:
+    """NaNGuard's state in one `fit`. Steps count from 0 at the fit's first
+    batch, across epochs."""
+
+    # Set once in `on_train_begin`; both threads read them.
+    fit: int  # which of the guard's fits this is, from 0 (`Incident.fit`)
+    thread: int  # the training thread's id
+    k: int  # the model's `steps_per_execution`: batches per batch end
+    # The model's SafeOptimizer, if it has one. The batch-end side only asks
+    # whether there is one; its counters are read on the training thread.
+    safe: SafeCounters | None
+    # Both threads, only while holding `lock`; batch ends wait on it for
+    # their turn, batch begins for the lag to shrink.
+    lock: threading.Condition
+    watch: BatchWatch  # the batch-end side's state; it queues `Event`s
+    # Training thread only, from here on.
+    # The model, read once: Keras's `Callback.model` syncs JAX state at each
+    # access, so NaNGuard syncs only where it reads or changes the model.
+    net: keras.Model
+    snapshot_cadence: Cadence  # when the next snapshot is due
+    check_cadence: Cadence  # when the next read of `safe`'s counters is due
+    epoch: int = 0  # the epoch in progress
+    # The step training is at: the steps run before the batch about to
+    # begin, or all of them at an epoch's end.
+    now: int = 0
+    seen: int = 0  # `now` at the training thread's last turn
+    checked_at: int = -1  # the last step the last read of the counters covers
+    in_epoch: bool = False  # an epoch is under way (its progress bar may be)
+    # The first snapshot was tried: at the first batch begin with the model
+    # built (after every callback's `on_train_begin`, so after
+    # `BackupAndRestore` loaded its backup).
+    started: bool = False
+    resumed_at: int = 0  # events of earlier steps ran on a state since undone
+    restored_at: int = -1  # `now` when the rollback point was last restored
+    discard_until: int | None = None  # `skip_batches`: restore again there
+    stopping: bool = False  # trouble stopped training; undo what runs after
+
+
+def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
+    """The state of fit number `fit` of `net`, which begins now on this
+    thread: its SafeOptimizer, if any, attached (a rejected step then keeps
+    BatchNormalization statistics too), and its batch-end side started from
+    the SafeOptimizer's totals (one read per fit)."""
+    safe = snapshots.find_safe_optimizer(net.optimizer)
+    if safe is not None:
+        safe.attach(net)
+        snapshots.sync_from_device(net)
+    watch = watch_for_fit(
+        safe,
+        settings.loss_spike_sigma,
+        settings.loss_spike_window,
+        settings.loss_spike_patience,
+    )
+    return FitState(
+        fit=fit,
+        thread=threading.get_ident(),
+        k=max(1, int(getattr(net, "steps_per_execution", 1) or 1)),
+        safe=safe,
+        lock=threading.Condition(),
+        watch=watch,
+        net=net,
+        snapshot_cadence=Cadence(
+            settings.snapshot_every, settings.snapshot_budget, min_every=10
+        ),
+        check_cadence=Cadence(settings.check_every, 0.01, min_every=1),
+    )

@@ -1,0 +1,23 @@
+"""What NaNGuard uses of a SafeOptimizer, as a protocol: its public reports,
+its halt limit and `attach`. NaNGuard's parts depend on this much only, and
+a test can hand them a stand-in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import keras
+
+
+class SafeCounters(Protocol):
+    @property
+    def max_consecutive_skips(self) -> int | None: ...
+
+    def counters(self) -> Mapping[str, float]:
+        """The counters as Python numbers (a host read)."""
+        ...
+
+    def describe_last_rejection(self) -> str: ...
+
+    def attach(self, model: keras.Model) -> None: ...

@@ -1,0 +1,157 @@
+"""NaNGuard's snapshots on the model's side: taking them, proving them,
+restoring the rollback point and writing it to `directory`.
+
+It reads and changes the model, so it runs on the training thread only; the
+bookkeeping (which snapshot is the rollback point) is `SnapshotKeeper`'s.
+A non-finite state it finds is returned to the caller, which records the
+incident and acts on the trouble (`Responses`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from keras_nanguard import snapshots
+from keras_nanguard.errors import NonFiniteError
+from keras_nanguard.nan_guard import snapshot_files
+from keras_nanguard.nan_guard.fit_state import FitState
+from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
+
+
+class Snapshotter:
+    """Snapshots of `state.net` into `keeper`, written to `directory` (if
+    not `None`) whenever one becomes the rollback point."""
+
+    def __init__(
+        self, state: FitState, keeper: SnapshotKeeper, directory: str | None
+    ) -> None:
+        self.state, self.keeper, self.directory = state, keeper, directory
+
+    def capture(self, verify: bool) -> tuple[snapshots.Snapshot | None, list[str]]:
+        """A snapshot of the state now, or `None` and the non-finite names;
+        with `verify`, its finiteness is read at once, else when it is
+        promoted (`promote`)."""
+        state = self.state
+        snapshots.sync_from_device(state.net)
+        snap, bad = snapshots.capture(
+            state.net, epoch=state.epoch, step=state.now, into=self.keeper.reusable()
+        )
+        if snap is not None and verify:
+            bad = snapshots.verify(snap)
+            if bad:
+                self.keeper.reject(snap)
+                snap = None
+        return snap, bad or []
+
+    def take_if_due(self, steps: int, step_seconds: float | None) -> list[str]:
+        """Takes a snapshot if one is due after `steps` more steps; returns
+        the non-finite names if the state is found non-finite, else `[]`."""
+        due = self.state.snapshot_cadence.due(step_seconds, steps)
+        if not due or not self.keeper.has_room():
+            return []
+        return self._add(self.capture(verify=False))
+
+    def take_at_epoch_end(self, epoch: int) -> list[str]:
+        """The epoch's snapshot, read at once (one read per epoch): the
+        non-finite names if the state is found non-finite, else `[]`."""
+        snap, bad = self.capture(verify=True)
+        if snap is not None:
+            snap.epoch = epoch + 1
+        return self._add((snap, bad))
+
+    def _add(self, taken: tuple[snapshots.Snapshot | None, list[str]]) -> list[str]:
+        snap, bad = taken
+        if snap is None:
+            return bad
+        self.keeper.add(snap)
+        self.state.snapshot_cadence.done(snap.seconds)  # counts from the copy
+        return []
+
+    def promote(self, healthy: int) -> tuple[int, list[str]] | None:
+        """Makes the newest pending snapshot that a healthy batch (at step
+        `healthy`) ran after the rollback point. Its finiteness flag is read
+        here, steps after it was set. Returns its step and non-finite names
+        if it proves non-finite, else `None`."""
+        snap = self.keeper.proven(healthy)
+        if snap is None:
+            return None
+        bad = snapshots.verify(snap)
+        if not bad:
+            self.keep(snap)
+            return None
+        self.keeper.reject(snap)
+        return snap.step, bad
+
+    def keep(self, snap: snapshots.Snapshot) -> None:
+        """Makes `snap` the rollback point, and writes it to `directory`."""
+        self.keeper.keep(snap)
+        snap.seconds += self.save(snap)
+        self.state.snapshot_cadence.cost = snap.seconds  # with read and write
+
+    def save(self, snap: snapshots.Snapshot) -> float:
+        """Writes `snap` to `directory` (NaNGuard's file and a Keras weights
+        file), with the learning rate training goes on with; returns the
+        seconds it took."""
+        if self.directory is None:
+            return 0.0
+        start = time.perf_counter()
+        net = self.state.net
+        snapshots.sync_from_device(net)
+        snap.learning_rate = snapshots.learning_rate(net)
+        snapshots.save(snap, self.directory)
+        snapshot_files.save_weights_file(net, snap, self.directory)
+        return time.perf_counter() - start
+
+    def restore(self) -> None:
+        """Writes the rollback point back into the model (there is one)."""
+        state, point = self.state, self.keeper.point
+        if point is None:
+            raise RuntimeError("NaNGuard: no rollback point to restore.")
+        snapshots.sync_from_device(state.net)
+        snapshots.restore(state.net, point)
+        state.restored_at = state.now
+
+    def start(self) -> None:
+        """Takes the first snapshot, once the model has its variables."""
+        state = self.state
+        state.started = True
+        optimizer = state.net.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(state.net.trainable_variables)
+        snap, bad = self.capture(verify=True)
+        if snap is not None:
+            self.keep(snap)
+            state.restored_at = state.now  # the state is the rollback point's
+        elif state.now == 0:
+            raise NonFiniteError(
+                "NaNGuard: the model is already non-finite before training starts "
+                f"({', '.join(bad[:5])}); there is no good state to protect. "
+                "Re-initialise or load good weights first."
+            )
+        # else: the first step of a model built by `fit` went bad; its event
+        # reports it and `Responses.trouble` finds no rollback point.
+
+    def keep_final_state(self) -> None:
+        """Makes the state `fit` returns the rollback point (and writes it to
+        `directory`) if it is finite: nothing comes after it to prove it."""
+        state = self.state
+        last = self.keeper.pending_at(state.now)
+        if last is not None:
+            self.keep(last)  # taken (and read) at the epoch end
+            return
+        snap, _ = self.capture(verify=True)
+        if snap is not None:
+            snap.epoch = state.epoch + 1
+            self.keep(snap)
+
+    def finish(self) -> None:
+        """At the end of training: undoes what ran after a stop; the state
+        `fit` returns becomes the rollback point if it is finite, else the
+        rollback point is written again, with the learning rate as it is."""
+        state = self.state
+        if state.stopping and state.restored_at != state.now:
+            self.restore()
+        if state.started and state.restored_at != state.now:
+            self.keep_final_state()
+        elif self.keeper.point is not None:  # the state is the point's
+            self.save(self.keeper.point)

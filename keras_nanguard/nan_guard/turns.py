@@ -1,0 +1,254 @@
+"""The training thread's turn: what NaNGuard makes of what the batch ends
+found.
+
+At each batch begin, at a batch end that Keras calls on the training thread
+and at an epoch's end, the training thread takes the events the batch-end
+side queued (`BatchWatch.events`, under the lock), promotes the snapshot a
+healthy batch proved, makes incidents of the events and answers the
+trouble among them (`Responses`), undoes the batches `skip_batches`
+discards, reads a SafeOptimizer's counters when its steps do not log them
+and takes a snapshot when one is due. It touches the model only when there
+is something to do. `state.now` is the step training is at: the steps run
+before the batch about to begin, or all of them at an epoch's end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from keras_nanguard import snapshots
+from keras_nanguard.nan_guard.batch_watch import Event
+from keras_nanguard.nan_guard.figures import is_loss, nonfinite_validation
+from keras_nanguard.nan_guard.fit_state import FitState, Settings
+from keras_nanguard.nan_guard.incident_log import IncidentLog, rejected_words
+from keras_nanguard.nan_guard.responses import Responses
+from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
+from keras_nanguard.nan_guard.snapshotting import Snapshotter
+
+_IN_SNAPSHOT = "found while taking a snapshot."
+
+
+class Turns:
+    """The training thread's turns in one `fit`, on `state`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        state: FitState,
+        log: IncidentLog,
+        snapshotter: Snapshotter,
+        responses: Responses,
+    ) -> None:
+        self.settings, self.state, self.log = settings, state, log
+        self.snapshotter, self.responses = snapshotter, responses
+
+    @classmethod
+    def for_fit(
+        cls,
+        settings: Settings,
+        state: FitState,
+        log: IncidentLog,
+        keeper: SnapshotKeeper,
+        report: Callable[[], dict[str, Any]],
+        write_report: Callable[[], None],
+    ) -> Turns:
+        """The turns of a fit, with the parts they act through (see
+        `Responses` for `report` and `write_report`)."""
+        snapshotter = Snapshotter(state, keeper, settings.directory)
+        responses = Responses(
+            settings, state, log, keeper, snapshotter, report, write_report
+        )
+        return cls(settings, state, log, snapshotter, responses)
+
+    def take(self, snapshot: bool) -> None:
+        """One turn; with `snapshot`, a due snapshot is taken too."""
+        state = self.state
+        with state.lock:
+            events, state.watch.events = state.watch.events, []
+            healthy = state.watch.healthy_step
+            step_seconds = state.watch.step_seconds
+        steps, state.seen = state.now - state.seen, state.now
+        if not state.started and state.net.built:
+            self.snapshotter.start()
+        # A healthy batch after the pending snapshot proves it, even if a
+        # later one is bad: promote it before acting on that one.
+        self._promote(healthy)
+        for ev in events:
+            self.handle(ev)
+        if state.stopping or self._discarding():
+            return
+        self.poll_counters(steps, step_seconds, force=False)
+        if snapshot and state.started and not events and not state.stopping:
+            with state.lock:
+                clean = state.watch.leave_out_until <= state.now
+            if clean:
+                self._snapshot_if_due(steps, step_seconds)
+
+    def _discarding(self) -> bool:
+        """Whether batches that `skip_batches` discards still run; once they
+        have, the rollback point is restored again, which undoes them."""
+        state = self.state
+        if state.discard_until is None:
+            return False
+        if state.now < state.discard_until:
+            return True
+        state.discard_until = None
+        self.snapshotter.restore()
+        self.responses.reset_metrics(state.now, restored=True)
+        return False
+
+    def _promote(self, healthy: int) -> None:
+        found = self.snapshotter.promote(healthy)
+        if found is not None:  # the proven snapshot is not finite after all
+            step, bad = found
+            self.responses.record(
+                None, "nonfinite_weights", _IN_SNAPSHOT, bad, step=step
+            )
+            self.responses.trouble()
+
+    def _snapshot_if_due(self, steps: int, step_seconds: float | None) -> None:
+        bad = self.snapshotter.take_if_due(steps, step_seconds)
+        if bad:
+            self.responses.record(None, "nonfinite_weights", _IN_SNAPSHOT, bad)
+            self.responses.trouble()
+
+    # ------------------------------------------------------------ events
+    def handle(self, ev: Event) -> None:
+        """Makes an incident of `ev`, or adds it to the open one."""
+        if ev.kind == "rejection":
+            self._on_rejection(ev)
+        elif ev.kind == "loss_spike":
+            self._on_loss_spike(ev)
+        elif ev.step >= self.state.resumed_at:  # else it ran on an undone state
+            self._on_bad_figures(ev)
+
+    def _on_bad_figures(self, ev: Event) -> None:
+        net = self.state.net
+        snapshots.sync_from_device(net)
+        variables = snapshots.nonfinite_names(net)
+        if self.log.extend(ev):  # the same episode: is the state bad again?
+            inc = self.log.last
+            inc.variables = sorted(set(inc.variables) | set(variables))
+        else:
+            detail = _describe_logs(ev.logs, ev.bad_logs)
+            if variables:
+                detail += " The update was applied: the state is non-finite."
+            loss = any(map(is_loss, ev.bad_logs))
+            kind = "nonfinite_loss" if loss else "nonfinite_metric"
+            self.responses.record(ev, kind, detail, variables)
+        if variables:
+            self.responses.trouble()
+        else:  # Keras's running means hold the bad batch: start them afresh
+            self.responses.reset_metrics(self.state.now)
+
+    def _on_loss_spike(self, ev: Event) -> None:
+        """A confirmed loss spike: trouble. The rollback point predates the
+        streak (no snapshot is promoted while a streak is open, and
+        `Responses.trouble` drops the pending ones: the PaLM recipe)."""
+        state = self.state
+        if ev.step < state.resumed_at:  # it ran on a state since undone
+            with state.lock:  # undo the worker's hold on the figures
+                if state.watch.leave_out_until == math.inf:
+                    state.watch.leave_out_until = state.now
+            return
+        spike, sigma = ev.spike, self.settings.loss_spike_sigma
+        # Only the loss-spike rule, on when `loss_spike_sigma` is set, makes them.
+        assert spike is not None and sigma is not None
+        self.log.close()  # a new episode, whatever came before
+        self.responses.record(ev, "loss_spike", spike.describe(sigma), [])
+        self.responses.trouble()
+        if self.settings.policy == "warn":  # training goes on as it is
+            self.responses.reset_metrics(state.now)
+
+    def _on_rejection(self, ev: Event) -> None:
+        safe = self.state.safe
+        assert safe is not None  # only a SafeOptimizer rejects steps
+        limit = safe.max_consecutive_skips
+        halted = limit is not None and ev.run >= limit
+        if self.log.extend(ev, "halted" if halted else None):
+            self.log.count_rejections(ev.rejections)
+        else:
+            snapshots.sync_from_device(self.state.net)
+            c = safe.counters()
+            words = rejected_words(ev.rejections, ev.step, ev.steps)
+            detail = f"{words}: {safe.describe_last_rejection()}; nothing was applied."
+            if ev.bad_logs:
+                detail = _describe_logs(ev.logs, ev.bad_logs) + " " + detail
+            kind = "halted" if halted else "rejected_step"
+            grad_norm = c["rejected_grad_norm"]
+            self.responses.record(ev, kind, detail, [], grad_norm=grad_norm)
+            self.log.count_from(ev.rejections, words)
+        streak = halted or ev.run >= self.settings.max_rejections
+        if streak and ev.step >= self.state.resumed_at:
+            self.responses.trouble()
+
+    # ------------------------------------------------------------ counters
+    def poll_counters(
+        self, steps: int, step_seconds: float | None, force: bool
+    ) -> None:
+        """Reads a SafeOptimizer's total when its steps do not log it (a
+        custom `train_step`), every `check_every` steps or when forced."""
+        state = self.state
+        due = state.check_cadence.due(step_seconds, steps)
+        with state.lock:
+            logged = state.watch.counts_rejections or not state.watch.steps_done
+        if state.safe is None or logged:
+            return  # `fit`'s steps log it (known once one has ended)
+        if not (force or due):
+            return
+        start = time.perf_counter()
+        snapshots.sync_from_device(state.net)
+        c = state.safe.counters()
+        total = int(c["skipped_steps"])
+        since = state.checked_at + 1
+        with state.lock:
+            new, state.watch.rejected = total - state.watch.rejected, total
+        state.checked_at = state.now - 1
+        state.check_cadence.done(time.perf_counter() - start)
+        if new > 0:
+            ev = Event(
+                "rejection",
+                state.epoch,
+                -1,
+                since,
+                max(1, state.now - since),
+                {},
+                [],
+                rejections=new,
+                run=int(c["consecutive_skips"]),
+            )
+            self._on_rejection(ev)
+
+    # ------------------------------------------------------------ epoch's end
+    def end_epoch(self, epoch: int, logs: dict[str, Any]) -> bool:
+        """After the epoch's last turn: undoes the step that ran after a
+        stop, finishes the epoch's figures in `logs`, and checks the state
+        (one read per epoch) and the validation figures. Returns whether the
+        model was built to be checked."""
+        state = self.state
+        if state.stopping:  # undo the step that ran after the stop
+            self.snapshotter.restore()
+        with state.lock:
+            state.watch.figures.finish(logs)
+        if not state.started:  # no batch in this epoch built the model
+            return False
+        self.poll_counters(0, None, force=True)
+        bad: list[str] = []  # else the state is the snapshot's, or checked now
+        if not state.stopping and state.restored_at != state.now:
+            bad = self.snapshotter.take_at_epoch_end(epoch)
+            if bad:
+                where = "found at the end of the epoch."
+                self.responses.record(None, "nonfinite_weights", where, bad)
+                self.responses.trouble()
+        detail = nonfinite_validation(logs)
+        if detail is not None and not bad:  # the weights are finite
+            self.responses.record(None, "nonfinite_validation", detail, [])
+        return True
+
+
+def _describe_logs(logs: dict[str, Any], bad: list[str]) -> str:
+    shown = ", ".join(f"{k}={logs[k]}" for k in bad)
+    return f"non-finite {shown} in this batch."
