@@ -86,13 +86,27 @@ def epoch_end(
     epochs.ends.append((state.now, [k for k, v in logs.items() if _figure(k, v)]))
     if not state.stopping or point is None:
         return
-    since = point.step  # no state after it proved good
     history = getattr(state.net, "history", None)  # set by History each epoch
     figures = history.history if isinstance(history, keras.callbacks.History) else {}
+    marked = _set_to_nan(epochs.ends, point.step, logs, figures)
+    first = state.epoch - len(epochs.ends) + 1  # the epoch of `epochs.ends[0]`
+    _tell_marked(incidents, [first + epoch for epoch in marked])
+
+
+def _set_to_nan(
+    ends: list[tuple[int, list[str]]],
+    since: int,
+    logs: dict[str, Any],
+    figures: dict[str, list],
+) -> list[int]:
+    """Sets to NaN the figures of the epochs (`ends`: each one's last step
+    and figure names) that ended after step `since` (no state after it
+    proved good): the last epoch's in `logs`, earlier ones in the History's
+    `figures`. Returns those epochs' positions in `ends`."""
     seen: dict[str, int] = {}
     marked = []
-    for epoch, (end, keys) in enumerate(epochs.ends):
-        last = epoch == len(epochs.ends) - 1
+    for epoch, (end, keys) in enumerate(ends):
+        last = epoch == len(ends) - 1
         for key in keys:
             index = seen[key] = seen.get(key, -1) + 1
             if end <= since:
@@ -102,8 +116,8 @@ def epoch_end(
             elif index < len(figures.get(key, [])):
                 figures[key][index] = math.nan
         if end > since:
-            marked.append(state.epoch - len(epochs.ends) + 1 + epoch)
-    _tell_marked(incidents, marked)
+            marked.append(epoch)
+    return marked
 
 
 def _tell_marked(incidents: list[Incident], marked: list[int]) -> None:
