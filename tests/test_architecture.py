@@ -165,3 +165,60 @@ def test_a_circle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# ------------------------------------------------------------ backend seam
+FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch", "optree")
+SEAM = f"{PACKAGE}._backend"
+
+
+def backend_code(path: Path) -> list[str]:
+    """Where a module outside the backend seam knows the backend: an import of
+    a framework (anywhere in it) or a call of `keras.backend.backend()`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            names = []
+        for name in names:
+            if name.split(".")[0] in FRAMEWORKS:
+                found.append(f"line {node.lineno}: import {name}")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "backend"
+            and ast.unparse(node.func.value) == "keras.backend"
+        ):
+            found.append(f"line {node.lineno}: keras.backend.backend()")
+    return sorted(found, key=lambda where: int(where.split()[1].rstrip(":")))
+
+
+def test_backend_code_only_in_the_seam():
+    outside = {
+        name: found
+        for name, path in package_modules().items()
+        if not (name == SEAM or name.startswith(SEAM + "."))
+        and (found := backend_code(path))
+    }
+    assert not outside, "backend code outside keras_nanguard._backend:\n" + "\n".join(
+        f"  {name}: {', '.join(found)}" for name, found in sorted(outside.items())
+    )
+
+
+def test_the_seam_check_sees_imports_and_calls(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import keras\n"
+        "def f():\n"
+        "    import torch.nn\n"
+        "    from jax import numpy\n"
+        "    return keras.backend.backend() == 'jax'\n"
+    )
+    assert backend_code(source) == [
+        "line 3: import torch.nn",
+        "line 4: import jax",
+        "line 5: keras.backend.backend()",
+    ]

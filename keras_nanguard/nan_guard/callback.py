@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from keras_nanguard import snapshots
+from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import (
     check_choice,
     check_in,
@@ -188,7 +189,7 @@ class NaNGuard(keras.callbacks.Callback):
 
     # On JAX and torch Keras runs `on_train_batch_end` in worker threads,
     # only when every callback is async-safe. On TensorFlow it stays in line.
-    async_safe = keras.backend.backend() in ("jax", "torch")
+    async_safe = backend.ASYNC_BATCH_END
 
     # ------------------------------------------------------------ what it keeps
     @property
