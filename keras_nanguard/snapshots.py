@@ -78,7 +78,9 @@ def unchecked(model: keras.Model) -> set[int]:
 def _reports(optimizer: Any) -> set[int]:
     # SafeOptimizer's report values (a NaN gradient norm, ...) are not state.
     safe = find_safe_optimizer(optimizer)
-    return set() if safe is None else {id(v) for v in safe._history_variables()}
+    return (
+        set() if safe is None else {id(v) for v in safe._counters.history_variables()}
+    )
 
 
 def optimizer_state(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:

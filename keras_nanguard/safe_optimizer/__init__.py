@@ -3,13 +3,17 @@
 The public names are `SafeOptimizer` and `find_safe_optimizer`; the modules
 of this folder are private:
 
-- `optimizer`: the `keras.optimizers.Optimizer` subclass users see.
-- `step`: one step as a transaction (decide, update, check, commit or roll
-  back), and the one place that knows `tf.distribute`.
-- `counters`: the counters (named device variables) and their reports.
-- `model_transaction`: the model's side (`attach`, `transaction`,
-  `stateless_commit`), with `forward_state` (what the forward pass writes)
-  and `loss_scaling` (a `LossScaleOptimizer` around the wrapper).
+- `optimizer`: the `keras.optimizers.Optimizer` subclass users see, made of
+  the typed parts below, which it holds and delegates to.
+- `settings`: `Settings`, its arguments, checked once (frozen).
+- `counters`: `Counters`, a dataclass of the counters (named device
+  variables): their creation (the saved layout), updates and reports.
+- `step`: `Transaction`, one step as a transaction (decide, update, check,
+  commit or roll back), and the one place that knows `tf.distribute`.
+- `model_transaction`: `ModelTransaction`, the model's side (`attach`,
+  `transaction`, `stateless_commit`), with `forward_state` (what the forward
+  pass writes) and `loss_scaling` (a `LossScaleOptimizer` around the
+  wrapper).
 - `spike_window`: the gradient-norm spike rule; `inner`: checks of the
   wrapped optimizer; `file_layouts`: files of earlier versions;
   `step_ops`: small tensor operations of the step.

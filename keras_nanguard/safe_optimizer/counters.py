@@ -1,146 +1,428 @@
-"""SafeOptimizer's counters, and the reports made of them."""
+"""SafeOptimizer's counters: named device variables, their updates, and the
+reports made of them on the host.
+
+`Counters` is a dataclass with one field per variable. Its fields are, in
+order, the layout of the saved optimizer's variables (`.keras` files): new
+counters go last, after `recent_rejections` (files of earlier versions have
+fewer and still load: see `file_layouts`), and the spike window follows the
+counters when there is one.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import field
+from typing import Any, NamedTuple
 
 import keras
 from keras import ops
 
 from keras_nanguard.errors import NonFiniteError
+from keras_nanguard.safe_optimizer import spike_window as spikes
+from keras_nanguard.safe_optimizer import step_ops
+from keras_nanguard.safe_optimizer.settings import Settings
 
-_REASONS = {
-    0: "none",
-    1: "gradient",
-    2: "update",
-    3: "spike",
-    4: "loss_scale_overflow",
-    5: "loss",
-}
-_COUNTERS = (
-    ("skipped_steps", "int32", 0),
-    ("consecutive_skips", "int32", 0),
-    ("nonfinite_gradient_steps", "int32", 0),
-    ("nonfinite_update_steps", "int32", 0),
-    ("clipped_steps", "int32", 0),
-    ("last_grad_norm", "float32", 0.0),
-    ("rejected_grad_norm", "float32", 0.0),
-    ("last_rejection", "int32", 0),
-    ("last_nonfinite_index", "int32", -1),
-    ("lr_scale", "float32", 1.0),
-    ("consecutive_accepts", "int32", 0),
-    ("accepted_grad_norm", "float32", 0.0),
-    ("spike_steps", "int32", 0),
-    ("loss_scale_steps", "int32", 0),
-    ("recent_rejections", "int32", 0),
-)
-# Files of earlier versions have fewer counters (new counters go last, so
-# that they still load): see `file_layouts`.
 # `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
 RECENT_STEPS = 30
-# Counters that are history (NaNGuard keeps them through a rollback); the
-# others (consecutive_skips, lr_scale, consecutive_accepts) are control state.
-_HISTORY = (
-    "skipped_steps",
-    "spike_steps",
-    "loss_scale_steps",
-    "nonfinite_gradient_steps",
-    "nonfinite_update_steps",
-    "clipped_steps",
-    "last_grad_norm",
-    "rejected_grad_norm",
-    "last_rejection",
-    "last_nonfinite_index",
-    "recent_rejections",
-)
 
 
-class ReportsMixin:
-    """Reading SafeOptimizer's counters on the host, where a person looks."""
+class Reason(enum.IntEnum):
+    """Why the last rejected step was rejected: the code `last_rejection`
+    holds (the README lists them)."""
 
-    def counters(
-        self, optimizer_variables: Sequence[Any] | None = None
-    ) -> dict[str, float | int]:
-        """The counters as Python numbers (reads them from the device).
+    NONE = 0  # no step rejected yet
+    GRADIENT = 1  # a gradient was not finite
+    UPDATE = 2  # the update made a weight or optimizer variable non-finite
+    SPIKE = 3  # the gradient norm was a spike (`spike_factor`)
+    LOSS_SCALE_OVERFLOW = 4  # a loss scaler skipped it, the loss finite
+    LOSS = 5  # a loss scaler skipped it, the loss not finite
+
+
+def _counter(dtype: str, initial: float, doc: str, *, history: bool) -> dict:
+    """A counter field's metadata: a scalar variable of `dtype` starting at
+    `initial`, holding what `doc` says.
+    A `history` counter is a report of what happened: NaNGuard's snapshots
+    neither check it nor restore it (`last_grad_norm` is NaN after a NaN
+    step, by design); the others (control state the step reads, and
+    `accepted_grad_norm`, always finite) are restored with the model."""
+    return {"dtype": dtype, "initial": initial, "doc": doc, "history": history}
+
+
+def _window(doc: str) -> dict:
+    """A spike window field's metadata (the field is `None` without
+    `spike_factor`)."""
+    return {"doc": doc, "history": False}
+
+
+class StepOutcome(NamedTuple):
+    """What one step of the optimizer decided, as device tensors: what the
+    counters record of it. A NamedTuple: torch compiles it without a break."""
+
+    ok: Any  # the step is accepted (bool scalar)
+    grads_ok: Any  # every checked gradient is finite
+    update_ok: Any  # every new weight and optimizer variable is finite
+    norm: Any  # the global norm of the raw gradients
+    bad_index: Any  # the reported index of the first non-finite value
+    clipped: Any = None  # the gradients were clipped; `None` without clipnorm
+    spike: Any = None  # the norm is a spike; `None` without spike_factor
+    spike_figures: Any = None  # the spike's threshold and percentile
+
+
+@dataclasses.dataclass(eq=False)
+class Counters:
+    """SafeOptimizer's counters, and the spike window's variables: each a
+    `keras.Variable` of the optimizer (`aggregation="none"`), on the device.
+
+    Made by `create`, in the order of the fields; updated by the step
+    (`record_step`) and by a loss scaler's skip (`record_scaler_skip`); read
+    on the host, where a person looks (`read`, `describe_last_rejection`,
+    `check_halted`).
+    """
+
+    skipped_steps: keras.Variable = field(
+        metadata=_counter("int32", 0, "Rejected steps in total.", history=True)
+    )
+    consecutive_skips: keras.Variable = field(
+        metadata=_counter(
+            "int32", 0, "Rejected steps since the last accepted one.", history=False
+        )
+    )
+    nonfinite_gradient_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32", 0, "Steps rejected for a non-finite gradient.", history=True
+        )
+    )
+    nonfinite_update_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Steps rejected because the update made a weight or optimizer "
+            "variable non-finite (the gradients finite).",
+            history=True,
+        )
+    )
+    clipped_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Accepted steps whose gradients were clipped to `clipnorm` (0 "
+            "with gradient accumulation, where the inner optimizer clips).",
+            history=True,
+        )
+    )
+    last_grad_norm: keras.Variable = field(
+        metadata=_counter(
+            "float32",
+            0.0,
+            "Global norm of the last step's raw gradients.",
+            history=True,
+        )
+    )
+    rejected_grad_norm: keras.Variable = field(
+        metadata=_counter(
+            "float32",
+            0.0,
+            "Global norm of the last rejected step's raw gradients (NaN after "
+            "a loss scaler's skip).",
+            history=True,
+        )
+    )
+    last_rejection: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            Reason.NONE.value,
+            "Why the last rejected step was rejected: a `Reason` code.",
+            history=True,
+        )
+    )
+    last_nonfinite_index: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            -1,
+            "Which variable the last rejection was about: an index into the "
+            "model's trainable variables, then the inner optimizer's (-1: "
+            "none).",
+            history=True,
+        )
+    )
+    lr_scale: keras.Variable = field(
+        metadata=_counter(
+            "float32",
+            1.0,
+            "The learning-rate back-off factor now (with `lr_backoff`).",
+            history=False,
+        )
+    )
+    consecutive_accepts: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Accepted steps since the last rejected one, back to 0 when the "
+            "learning rate recovers a factor (with `lr_backoff`).",
+            history=False,
+        )
+    )
+    accepted_grad_norm: keras.Variable = field(
+        metadata=_counter(
+            "float32",
+            0.0,
+            "Global norm of the last accepted step's raw gradients.",
+            history=False,
+        )
+    )
+    spike_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Steps rejected as gradient spikes (with `spike_factor`).",
+            history=True,
+        )
+    )
+    loss_scale_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Steps a `LossScaleOptimizer` around the optimizer skipped for an "
+            "overflow of the scaled gradients (also in `skipped_steps`).",
+            history=True,
+        )
+    )
+    recent_rejections: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            f"The last {RECENT_STEPS} steps as a bit mask, bit 0 the latest, 1 "
+            "where rejected.",
+            history=True,
+        )
+    )
+    spike_norms: keras.Variable | None = field(
+        default=None,
+        metadata=_window("The spike window's ring buffer of gradient norms."),
+    )
+    spike_count: keras.Variable | None = field(
+        default=None, metadata=_window("Steps written into the spike window.")
+    )
+    last_spike: keras.Variable | None = field(
+        default=None,
+        metadata=_window("The last spike's threshold and 90th percentile."),
+    )
+    settings: Settings = field(kw_only=True, metadata={"setting": True})
+    """What the updates and reports need of the optimizer's arguments."""
+
+    # --------------------------------------------------------------- creation
+    @classmethod
+    def create(
+        cls, optimizer: keras.optimizers.Optimizer, settings: Settings
+    ) -> Counters:
+        """The counters as new variables of `optimizer`, in field order, then
+        the spike window when `settings` has a `spike_factor`."""
+        made = {
+            f.name: optimizer.add_variable(
+                shape=(),
+                dtype=f.metadata["dtype"],
+                initializer=keras.initializers.Constant(f.metadata["initial"]),
+                aggregation="none",
+                name=f.name,
+            )
+            for f in COUNTER_FIELDS
+        }
+        if settings.spike_factor is not None:
+            norms, count, last = spikes.make_window(optimizer, settings.spike_window)
+            made.update(spike_norms=norms, spike_count=count, last_spike=last)
+        return cls(**made, settings=settings)
+
+    def variables(self) -> list[keras.Variable]:
+        """The counters, then the spike window's variables if any: the first
+        of `optimizer.variables`, in this order."""
+        found = (getattr(self, f.name) for f in VARIABLE_FIELDS)
+        return [v for v in found if v is not None]
+
+    def history_variables(self) -> list[keras.Variable]:
+        """The counters that record what happened (NaNGuard keeps them through
+        a rollback; they are not state to check or restore)."""
+        return [getattr(self, f.name) for f in COUNTER_FIELDS if f.metadata["history"]]
+
+    # ---------------------------------------------------------------- updates
+    def record_step(self, step: StepOutcome) -> None:
+        """Counts a step of the optimizer (device writes only)."""
+        ok, norm = step.ok, ops.cast(step.norm, "float32")
+        bad_grad = ~step.grads_ok
+        bad_update = ops.logical_and(step.grads_ok, ~step.update_ok)
+        self._count_outcome(ok, bad_grad, bad_update, step.clipped)
+        self.last_grad_norm.assign(norm)
+        self.accepted_grad_norm.assign(
+            ops.where(ok, norm, self.accepted_grad_norm.value)
+        )
+        self.rejected_grad_norm.assign(
+            ops.where(ok, self.rejected_grad_norm.value, norm)
+        )
+        reason = ops.where(
+            bad_grad,
+            Reason.GRADIENT.value,
+            ops.where(bad_update, Reason.UPDATE.value, Reason.NONE.value),
+        )
+        if step.spike is not None:
+            reason = self._count_spike(step, norm, reason)
+        failed = reason > 0
+        self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))
+        self.last_nonfinite_index.assign(
+            ops.where(failed, step.bad_index, self.last_nonfinite_index.value)
+        )
+        if self.settings.lr_backoff is not None:
+            self._back_off(ok, self.settings.lr_backoff)
+
+    def _count_outcome(
+        self, ok: Any, bad_grad: Any, bad_update: Any, clipped: Any
+    ) -> None:
+        self.skipped_steps.assign(self.skipped_steps.value + _i32(~ok))
+        self.recent_rejections.assign(
+            step_ops.shift_in(self.recent_rejections.value, _i32(~ok), RECENT_STEPS)
+        )
+        self.consecutive_skips.assign(
+            ops.where(ok, 0, self.consecutive_skips.value + 1)
+        )
+        self.nonfinite_gradient_steps.assign(
+            self.nonfinite_gradient_steps.value + _i32(bad_grad)
+        )
+        self.nonfinite_update_steps.assign(
+            self.nonfinite_update_steps.value + _i32(bad_update)
+        )
+        if clipped is not None:
+            self.clipped_steps.assign(
+                self.clipped_steps.value + _i32(ops.logical_and(ok, clipped))
+            )
+
+    def _count_spike(self, step: StepOutcome, norm: Any, reason: Any) -> Any:
+        """Counts a spike (a step rejected for nothing else) and writes the
+        window; the reason code with spikes."""
+        spike = ops.logical_and(step.spike, reason == Reason.NONE.value)
+        reason = ops.where(spike, Reason.SPIKE.value, reason)
+        self.spike_steps.assign(self.spike_steps.value + _i32(spike))
+        norms, count, last = self.window()
+        spikes.record(step.ok, spike, norm, step.spike_figures, norms, count, last)
+        return reason
+
+    def _back_off(self, ok: Any, backoff: float) -> None:
+        """The learning-rate scale after a step: lower after a rejection,
+        back up a factor after `lr_recovery_steps` accepted ones in a row."""
+        accepts = ops.where(ok, self.consecutive_accepts.value + 1, 0)
+        recover = accepts >= self.settings.lr_recovery_steps
+        lr_scale = self.lr_scale.value
+        lr_scale = ops.where(
+            ok,
+            ops.where(recover, lr_scale / backoff, lr_scale),
+            lr_scale * backoff,
+        )
+        self.lr_scale.assign(ops.clip(lr_scale, self.settings.min_lr_scale, 1.0))
+        self.consecutive_accepts.assign(ops.where(recover, 0, accepts))
+
+    def record_scaler_skip(self, skipped: Any, bad_data: Any) -> None:
+        """Counts a step that a loss scaler around the optimizer skipped (the
+        optimizer's step did not run): as a rejected step; as a non-finite
+        gradient when the loss was not finite too (`bad_data`), else as an
+        overflow of the loss-scaled gradients, which is the loss scaler's
+        routine and neither a streak nor a reason to back off."""
+        overflow = ops.logical_and(skipped, ops.logical_not(bad_data))
+        self.skipped_steps.assign(self.skipped_steps.value + _i32(skipped))
+        self.loss_scale_steps.assign(self.loss_scale_steps.value + _i32(overflow))
+        self.nonfinite_gradient_steps.assign(
+            self.nonfinite_gradient_steps.value + _i32(bad_data)
+        )
+        self.consecutive_skips.assign(self.consecutive_skips.value + _i32(bad_data))
+        # The optimizer's own step did not run to shift its outcome in: a
+        # bad batch is a rejected step there, an overflow is not.
+        self.recent_rejections.assign(
+            ops.where(
+                skipped,
+                step_ops.shift_in(
+                    self.recent_rejections.value, _i32(bad_data), RECENT_STEPS
+                ),
+                self.recent_rejections.value,
+            )
+        )
+        self._record_scaler_reason(skipped, bad_data, overflow)
+        if self.settings.lr_backoff is not None:
+            lr_scale = ops.where(
+                bad_data,
+                self.lr_scale.value * self.settings.lr_backoff,
+                self.lr_scale.value,
+            )
+            self.lr_scale.assign(ops.clip(lr_scale, self.settings.min_lr_scale, 1.0))
+            self.consecutive_accepts.assign(
+                ops.where(bad_data, 0, self.consecutive_accepts.value)
+            )
+
+    def _record_scaler_reason(self, skipped: Any, bad_data: Any, overflow: Any) -> None:
+        reason = ops.where(
+            bad_data,
+            Reason.LOSS.value,
+            ops.where(overflow, Reason.LOSS_SCALE_OVERFLOW.value, Reason.NONE.value),
+        )
+        self.last_rejection.assign(
+            ops.where(skipped, reason, self.last_rejection.value)
+        )
+        self.last_nonfinite_index.assign(
+            ops.where(skipped, -1, self.last_nonfinite_index.value)
+        )
+        self.rejected_grad_norm.assign(  # the scaled gradients' norm: not finite
+            ops.where(skipped, float("nan"), self.rejected_grad_norm.value)
+        )
+
+    def window(self) -> tuple[keras.Variable, keras.Variable, keras.Variable]:
+        """The spike window: norms, count, last spike (with `spike_factor`)."""
+        norms, count, last = self.spike_norms, self.spike_count, self.last_spike
+        if norms is None or count is None or last is None:
+            raise ValueError("The spike window exists only with `spike_factor`.")
+        return norms, count, last
+
+    # ------------------------------------------------------- reading (host)
+    def read(self, values: Sequence[Any] | None = None) -> dict[str, float | int]:
+        """The counters as Python numbers (a host read).
 
         Args:
-            optimizer_variables: in a JAX stateless loop, the values
-                `stateless_apply` returned (in `optimizer.variables` order);
-                by default this optimizer's own variables.
-
-        Example:
-
-        >>> import keras, keras_nanguard as ng
-        >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).counters()["skipped_steps"]
-        0
+            values: the values of `variables()`, in that order (a JAX
+                stateless loop's); by default the variables themselves.
         """
-        values = self._counter_values(optimizer_variables)
+        named = self._named(values)
         out: dict[str, float | int] = {}
-        for (counter, dtype, _), value in zip(_COUNTERS, values, strict=True):
-            value = ops.convert_to_numpy(value)
-            out[counter] = float(value) if dtype == "float32" else int(value)
+        for f in COUNTER_FIELDS:
+            value = ops.convert_to_numpy(named[f.name])
+            out[f.name] = (
+                float(value) if f.metadata["dtype"] == "float32" else int(value)
+            )
         return out
 
-    def _counter_values(self, optimizer_variables: Sequence[Any] | None) -> list:
-        if optimizer_variables is None:
-            return [getattr(self, counter) for counter, _, _ in _COUNTERS]
-        values = list(optimizer_variables)
-        if len(values) != len(self.variables):
-            raise ValueError(
-                "`optimizer_variables` must hold one value per variable of "
-                f"`optimizer.variables` ({len(self.variables)}), as "
-                f"`stateless_apply` returns them. Received: {len(values)} values"
-            )
-        return values[: len(_COUNTERS)]  # the counters come first
+    def _named(self, values: Sequence[Any] | None) -> dict[str, Any]:
+        """`values` (by default the variables) by field name."""
+        names = [f.name for f in VARIABLE_FIELDS if getattr(self, f.name) is not None]
+        if values is None:
+            values = self.variables()
+        return dict(zip(names, values, strict=True))
 
     def describe_last_rejection(
-        self, optimizer_variables: Sequence[Any] | None = None
+        self, names: Sequence[str], values: Sequence[Any] | None = None
     ) -> str:
         """The last rejected step in words, or `""` if none was rejected.
 
         Args:
-            optimizer_variables: as for `counters`.
-
-        Example:
-
-        >>> import keras, keras_nanguard as ng
-        >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).describe_last_rejection()
-        ''
+            names: the names the reported indices count (`variable_names`).
+            values: as for `read`.
         """
-        c = self.counters(optimizer_variables)
-        reason = _REASONS.get(int(c["last_rejection"]), "none")
-        if reason == "none":
+        c = self.read(values)
+        reason = _reason(int(c["last_rejection"]))
+        if reason is Reason.NONE:
             return ""
-        names = [_path(v) for v in getattr(self, "_trainable_variables", [])]
-        names += [_path(v, optimizer=True) for v in self.inner_optimizer.variables]
+        if reason is Reason.SPIKE:
+            return self._describe_spike(c, self._named(values)["last_spike"])
+        if reason in _FIXED_WORDS:
+            return _FIXED_WORDS[reason]
         index = int(c["last_nonfinite_index"])
         where = names[index] if 0 <= index < len(names) else f"variable #{index}"
         norm = c["rejected_grad_norm"]
-        if reason == "spike":
-            last = self.last_spike.value
-            if optimizer_variables is not None:  # the window follows the counters
-                last = list(optimizer_variables)[len(_COUNTERS) + 2]
-            threshold, reference = (float(v) for v in ops.convert_to_numpy(last))
-            return (
-                f"the global gradient norm {norm:.4g} was a spike, more than "
-                f"{self.spike_factor:g} times the 90th percentile of the last "
-                f"{self.spike_window} steps' norms ({reference:.4g}): above "
-                f"{threshold:.4g}"
-            )
-        if reason == "loss_scale_overflow":
-            return (
-                "the loss-scaled gradients overflowed (mixed precision): the "
-                "LossScaleOptimizer skipped the step and halved its loss "
-                "scale, its routine"
-            )
-        if reason == "loss":
-            return (
-                "the loss was not finite (a bad batch: non-finite inputs, "
-                "targets or loss terms), so the loss-scaled gradients were "
-                "not either; the LossScaleOptimizer's scale was kept"
-            )
-        if reason == "gradient":
+        if reason is Reason.GRADIENT:
             return (
                 f"the gradient of {where} was not finite "
                 f"(global gradient norm {norm:.4g})"
@@ -151,44 +433,87 @@ class ReportsMixin:
             "learning rate is probably too high for these gradients"
         )
 
-    def check_halted(self, optimizer_variables: Sequence[Any] | None = None) -> None:
-        """Raises `NonFiniteError` if `max_consecutive_skips` was reached.
-
-        Call it where your loop reads values back anyway (e.g. when logging).
-
-        Args:
-            optimizer_variables: as for `counters`.
-
-        Example:
-
-        >>> import keras, keras_nanguard as ng
-        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1), max_consecutive_skips=3)
-        >>> opt.check_halted()  # nothing rejected yet: returns quietly
-        """
-        if self.max_consecutive_skips is None:
-            return
-        if self._halted(optimizer_variables):
-            raise NonFiniteError(
-                f"SafeOptimizer {self._halt_message(optimizer_variables)} "
-                "Training cannot make progress from this state: restore a good "
-                "checkpoint, lower the learning rate or check the data.",
-                report=self.counters(optimizer_variables),
-            )
-
-    def _halted(self, optimizer_variables: Sequence[Any] | None = None) -> bool:
-        consecutive = self.counters(optimizer_variables)["consecutive_skips"]
-        return consecutive >= self.max_consecutive_skips
-
-    def _halt_message(self, optimizer_variables: Sequence[Any] | None = None) -> str:
-        c = self.counters(optimizer_variables)
+    def _describe_spike(self, c: dict[str, float | int], last: Any) -> str:
+        threshold, reference = (float(v) for v in ops.convert_to_numpy(last))
+        factor = self.settings.spike_factor
         return (
-            f"rejected {c['consecutive_skips']} steps in a row "
-            f"(max_consecutive_skips={self.max_consecutive_skips}) and halted; "
-            f"last, {self.describe_last_rejection(optimizer_variables)}."
+            f"the global gradient norm {c['rejected_grad_norm']:.4g} was a spike, "
+            f"more than {factor:g} times the 90th percentile of the last "
+            f"{self.settings.spike_window} steps' norms ({reference:.4g}): above "
+            f"{threshold:.4g}"
         )
 
-    def _history_variables(self) -> list[keras.Variable]:
-        return [getattr(self, name) for name in _HISTORY]
+    def halted(self, values: Sequence[Any] | None = None) -> bool:
+        """Whether `max_consecutive_skips` was reached (a host read); never
+        without it."""
+        limit = self.settings.max_consecutive_skips
+        return limit is not None and self.read(values)["consecutive_skips"] >= limit
+
+    def halt_message(
+        self, names: Sequence[str], values: Sequence[Any] | None = None
+    ) -> str:
+        c = self.read(values)
+        return (
+            f"rejected {c['consecutive_skips']} steps in a row "
+            f"(max_consecutive_skips={self.settings.max_consecutive_skips}) and "
+            f"halted; last, {self.describe_last_rejection(names, values)}."
+        )
+
+    def check_halted(
+        self, names: Sequence[str], values: Sequence[Any] | None = None
+    ) -> None:
+        """Raises `NonFiniteError` if `max_consecutive_skips` was reached."""
+        if self.halted(values):
+            raise NonFiniteError(
+                f"SafeOptimizer {self.halt_message(names, values)} "
+                "Training cannot make progress from this state: restore a good "
+                "checkpoint, lower the learning rate or check the data.",
+                report=self.read(values),
+            )
+
+
+# The fields in the order of the variables: the counters, then the window.
+VARIABLE_FIELDS = tuple(
+    f for f in dataclasses.fields(Counters) if not f.metadata.get("setting")
+)
+COUNTER_FIELDS = tuple(f for f in VARIABLE_FIELDS if "dtype" in f.metadata)
+COUNTER_NAMES = tuple(f.name for f in COUNTER_FIELDS)
+WINDOW_NAMES = tuple(f.name for f in VARIABLE_FIELDS if "dtype" not in f.metadata)
+
+_FIXED_WORDS = {
+    Reason.LOSS_SCALE_OVERFLOW: (
+        "the loss-scaled gradients overflowed (mixed precision): the "
+        "LossScaleOptimizer skipped the step and halved its loss "
+        "scale, its routine"
+    ),
+    Reason.LOSS: (
+        "the loss was not finite (a bad batch: non-finite inputs, "
+        "targets or loss terms), so the loss-scaled gradients were "
+        "not either; the LossScaleOptimizer's scale was kept"
+    ),
+}
+
+
+def _reason(code: int) -> Reason:
+    """The reason of a code; an unknown one (not saved by this version) as
+    `NONE`."""
+    try:
+        return Reason(code)
+    except ValueError:
+        return Reason.NONE
+
+
+def _i32(flag: Any) -> Any:
+    return ops.cast(flag, "int32")
+
+
+def variable_names(
+    trainable: Sequence[keras.Variable], inner: Sequence[keras.Variable]
+) -> list[str]:
+    """What `last_nonfinite_index` counts, by name: the trainable variables
+    the optimizer was built with, then the inner optimizer's variables."""
+    names = [_path(v) for v in trainable]
+    return names + [_path(v, optimizer=True) for v in inner]
 
 
 def _path(v: keras.Variable, optimizer: bool = False) -> str:

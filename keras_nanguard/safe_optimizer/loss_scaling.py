@@ -25,6 +25,7 @@ import keras
 from keras import ops
 
 from keras_nanguard.safe_optimizer import step_ops
+from keras_nanguard.safe_optimizer.counters import Counters
 
 
 def scalers(outer: Any, safe: Any) -> list[keras.optimizers.LossScaleOptimizer]:
@@ -90,11 +91,11 @@ def finite_loss(logs: Any) -> Any:
     return ops.all(ops.isfinite(ops.convert_to_tensor(logs["loss"])))
 
 
-def settle(optimizer: Any, found: list[Any], before: list[Any], logs: Any) -> Any:
+def settle(counters: Counters, found: list[Any], before: list[Any], logs: Any) -> Any:
     """After a step under the loss scalers `found` (their `read_state` in
     `before`): whether one of them skipped it (bool scalar). A skip with a
     non-finite loss is bad data: the scalers' state is put back and the
-    `optimizer` (the SafeOptimizer inside) counts a rejected step; with a
+    `counters` (of the SafeOptimizer inside) count a rejected step; with a
     finite loss it is an overflow, counted apart, and the scalers keep their
     halved scale."""
     variables = state(found)
@@ -105,5 +106,5 @@ def settle(optimizer: Any, found: list[Any], before: list[Any], logs: Any) -> An
     if loss_ok is not None:
         bad_data = ops.logical_and(skip, ops.logical_not(loss_ok))
     step_ops.restore_unless(ops.logical_not(bad_data), variables, before)
-    optimizer._count_scaler_skip(skip, bad_data)
+    counters.record_scaler_skip(skip, bad_data)
     return skip

@@ -2,34 +2,99 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import math
+import dataclasses
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar, overload
 
 import keras
 import numpy as np
 
-from keras_nanguard._validation import check_in, check_int, check_positive
 from keras_nanguard.safe_optimizer import file_layouts as layouts
-from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
-from keras_nanguard.safe_optimizer.counters import _COUNTERS, ReportsMixin
-from keras_nanguard.safe_optimizer.inner import (
-    check_clipping,
-    forwarded,
-    refuse_unknown,
-    resolve_inner,
+from keras_nanguard.safe_optimizer.counters import (
+    COUNTER_NAMES,
+    Counters,
+    variable_names,
 )
-from keras_nanguard.safe_optimizer.model_transaction import ModelStateMixin
-from keras_nanguard.safe_optimizer.step import TransactionMixin, _Plans
+from keras_nanguard.safe_optimizer.inner import forwarded, refuse_unknown, resolve_inner
+from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
+from keras_nanguard.safe_optimizer.settings import Settings
+from keras_nanguard.safe_optimizer.step import Transaction
+
+T = TypeVar("T")
+
+
+class _Setting(Generic[T]):
+    """An argument of SafeOptimizer, read and set on it (see `Settings`):
+    setting one hands new `Settings` to the optimizer's parts."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Setting[T]: ...
+    @overload
+    def __get__(self, obj: SafeOptimizer, owner: type | None = None) -> T: ...
+    def __get__(
+        self, obj: SafeOptimizer | None, owner: type | None = None
+    ) -> T | _Setting[T]:
+        if obj is None:
+            return self
+        value: T = getattr(obj._settings, self._name)
+        return value
+
+    def __set__(self, obj: SafeOptimizer, value: T) -> None:
+        # The base class's __init__ writes its own `clipnorm` before the
+        # settings are made; that is not the user's and is dropped.
+        if "_settings" in obj.__dict__:
+            changed: dict[str, Any] = {self._name: value}
+            obj._configure(dataclasses.replace(obj._settings, **changed))
+
+
+class _Counter:
+    """One of the optimizer's `Counters` (a `keras.Variable`), read on it as
+    `opt.<name>`, e.g. `int(opt.skipped_steps)`."""
+
+    def __init__(self, of: Callable[[Counters], keras.Variable | None]) -> None:
+        self._of = of
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+        field = {f.name: f for f in dataclasses.fields(Counters)}[name]
+        self.__doc__ = field.metadata["doc"]
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Counter: ...
+    @overload
+    def __get__(
+        self, obj: SafeOptimizer, owner: type | None = None
+    ) -> keras.Variable: ...
+    def __get__(
+        self, obj: SafeOptimizer | None, owner: type | None = None
+    ) -> keras.Variable | _Counter:
+        if obj is None:
+            return self
+        counters = obj.__dict__.get("_counters")
+        variable = None if counters is None else self._of(counters)
+        if variable is None:
+            raise AttributeError(
+                f"SafeOptimizer has no `{self._name}`"
+                + (" without `spike_factor`" if counters is not None else "")
+            )
+        return variable
+
+    def __set__(self, obj: SafeOptimizer, value: Any) -> None:
+        raise AttributeError(
+            f"`{self._name}` is a counter of the SafeOptimizer: assign its value "
+            f"with `optimizer.{self._name}.assign(...)`."
+        )
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
-class SafeOptimizer(
-    ModelStateMixin, TransactionMixin, ReportsMixin, keras.optimizers.Optimizer
-):
+class SafeOptimizer(keras.optimizers.Optimizer):
     r"""Wraps any Keras optimizer so that a bad step is never applied.
 
     Every call to `apply` (and so every `model.fit` step) is a transaction,
@@ -126,6 +191,36 @@ class SafeOptimizer(
     loss_scale_factor = forwarded("loss_scale_factor")
     gradient_accumulation_steps = forwarded("gradient_accumulation_steps")
 
+    # The arguments, as given (checked); see `Settings`.
+    clipnorm = _Setting[float | None]()
+    lr_backoff = _Setting[float | None]()
+    lr_recovery_steps = _Setting[int]()
+    min_lr_scale = _Setting[float]()
+    max_consecutive_skips = _Setting[int | None]()
+    spike_factor = _Setting[float | None]()
+    spike_window = _Setting[int]()
+
+    # The counters (the README has the table), then the spike window's
+    # variables (with `spike_factor`); see `Counters`.
+    skipped_steps = _Counter(lambda c: c.skipped_steps)
+    consecutive_skips = _Counter(lambda c: c.consecutive_skips)
+    nonfinite_gradient_steps = _Counter(lambda c: c.nonfinite_gradient_steps)
+    nonfinite_update_steps = _Counter(lambda c: c.nonfinite_update_steps)
+    clipped_steps = _Counter(lambda c: c.clipped_steps)
+    last_grad_norm = _Counter(lambda c: c.last_grad_norm)
+    rejected_grad_norm = _Counter(lambda c: c.rejected_grad_norm)
+    last_rejection = _Counter(lambda c: c.last_rejection)
+    last_nonfinite_index = _Counter(lambda c: c.last_nonfinite_index)
+    lr_scale = _Counter(lambda c: c.lr_scale)
+    consecutive_accepts = _Counter(lambda c: c.consecutive_accepts)
+    accepted_grad_norm = _Counter(lambda c: c.accepted_grad_norm)
+    spike_steps = _Counter(lambda c: c.spike_steps)
+    loss_scale_steps = _Counter(lambda c: c.loss_scale_steps)
+    recent_rejections = _Counter(lambda c: c.recent_rejections)
+    spike_norms = _Counter(lambda c: c.spike_norms)
+    spike_count = _Counter(lambda c: c.spike_count)
+    last_spike = _Counter(lambda c: c.last_spike)
+
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer | str,
@@ -142,62 +237,39 @@ class SafeOptimizer(
     ) -> None:
         inner = resolve_inner(optimizer, SafeOptimizer)
         refuse_unknown(kwargs, inner)
-        clipnorm = check_positive("clipnorm", clipnorm, allow_none=True)
-        check_clipping(inner, clipnorm)
-        if lr_backoff is not None:
-            lr_backoff = check_in("lr_backoff", lr_backoff, 0, 1, closed_high=False)
-            if not isinstance(inner.learning_rate, keras.Variable):
-                raise ValueError(
-                    "`lr_backoff` needs the inner optimizer's learning rate to "
-                    "be a float, not a schedule or a callable. Received: "
-                    f"learning_rate={inner._learning_rate!r}"
-                )
-        lr_recovery_steps = check_int("lr_recovery_steps", lr_recovery_steps, 1)
-        min_lr_scale = check_in("min_lr_scale", min_lr_scale, 0, 1, closed_high=True)
-        max_consecutive_skips = check_int(
-            "max_consecutive_skips", max_consecutive_skips, 1, allow_none=True
+        settings = Settings.checked(
+            inner,
+            clipnorm=clipnorm,
+            lr_backoff=lr_backoff,
+            lr_recovery_steps=lr_recovery_steps,
+            min_lr_scale=min_lr_scale,
+            max_consecutive_skips=max_consecutive_skips,
+            spike_factor=spike_factor,
+            spike_window=spike_window,
         )
-
-        if spike_factor is not None:
-            spike_factor = check_in(
-                "spike_factor", spike_factor, 1, math.inf, closed_high=False
-            )
-        spike_window = check_int("spike_window", spike_window, 2)
-
         super().__init__(learning_rate=0.0, name=name)
         # The base class made an `iteration` and a `learning_rate` variable;
         # the wrapper uses the inner optimizer's, so they are not state.
         self._variables.clear()
         self.inner_optimizer = inner
-        self.clipnorm = clipnorm
-        self.lr_backoff = lr_backoff
-        self.lr_recovery_steps = lr_recovery_steps
-        self.min_lr_scale = min_lr_scale
-        self.max_consecutive_skips = max_consecutive_skips
-        self.spike_factor = spike_factor
-        self.spike_window = spike_window
-        self._plans = _Plans()
-        # Saved while attached to a model: `apply` warns once when it is not.
-        self._expects_attach = False
-        for counter, dtype, initial in _COUNTERS:
-            var = self.add_variable(
-                shape=(),
-                dtype=dtype,
-                initializer=keras.initializers.Constant(initial),
-                aggregation="none",
-                name=counter,
-            )
-            setattr(self, counter, var)
-        if spike_factor is not None:
-            self.spike_norms, self.spike_count, self.last_spike = spikes.make_window(
-                self, spike_window
-            )
+        # The parts (plain objects: Keras tracks no variable through them;
+        # the counters' variables are tracked by `add_variable`).
+        self._settings = settings
+        self._counters = Counters.create(self, settings)
+        self._transaction = Transaction(inner, self._counters, settings)
+        self._model_transaction = ModelTransaction(self, self._counters, settings)
+
+    def _configure(self, settings: Settings) -> None:
+        """Hands `settings` to the optimizer and its parts."""
+        self._settings = settings
+        self._counters.settings = settings
+        self._transaction.settings = settings
+        self._model_transaction.settings = settings
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         var_list = list(var_list)
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
+        self._transaction.build(var_list)  # the inner optimizer's build too
         # Not super().build(): it reads the forwarded `use_ema` and
         # `gradient_accumulation_steps` and would make a second set of
         # averages and accumulators. Set untracked, as the base class does:
@@ -209,9 +281,6 @@ class SafeOptimizer(
             {id(v): i for i, v in enumerate(var_list)},
         )
         self.built = True
-        # The usual call's plan (every gradient present), made here in eager
-        # code: a compiled torch step that made it would compile twice.
-        self._plan(var_list, var_list)
 
     @property
     def variables(self) -> list[keras.Variable]:
@@ -250,8 +319,8 @@ class SafeOptimizer(
         super().load_own_variables(
             layouts.upgrade(
                 store,
-                counters=len(_COUNTERS),
-                window=len(self._variables) - len(_COUNTERS),
+                counters=len(COUNTER_NAMES),
+                window=len(self._variables) - len(COUNTER_NAMES),
                 inner=len(self.inner_optimizer.variables),
                 initial=[v.numpy() for v in self._variables],
             )
@@ -289,10 +358,10 @@ class SafeOptimizer(
 
     def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
         # The end of `fit` is a point on the host: a halt is said there.
-        if self.max_consecutive_skips is not None and self._halted():
+        if self.max_consecutive_skips is not None and self._counters.halted():
             warnings.warn(
-                f"SafeOptimizer halted: {self._halt_message()} Every step "
-                "after the halt was rejected.",
+                f"SafeOptimizer halted: {self._counters.halt_message(self._names())} "
+                "Every step after the halt was rejected.",
                 stacklevel=2,
             )
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -311,6 +380,27 @@ class SafeOptimizer(
         grads = list(grads)
         if not grads:
             return
+        variables = self._variables_to_update(trainable_variables)
+        if len(grads) != len(variables):
+            raise ValueError(
+                "`grads` and `trainable_variables` must have the same length. "
+                f"Received: len(grads)={len(grads)}, "
+                f"len(trainable_variables)={len(variables)}"
+            )
+        self._model_transaction.step_begins(variables)
+        self._transaction.apply(grads, variables)
+        if (
+            self._settings.max_consecutive_skips is not None
+            and not self._model_transaction.in_fit
+            and step_ops.executing_eagerly(self._counters.consecutive_skips)
+        ):
+            self.check_halted()
+
+    def _variables_to_update(
+        self, trainable_variables: Sequence[keras.Variable] | None
+    ) -> list[keras.Variable]:
+        """The variables `apply` updates; builds the optimizer first with
+        them if it is not built."""
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -318,46 +408,233 @@ class SafeOptimizer(
                     "optimizer must already be built. Call "
                     "`optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = self._trainable_variables
-        else:
-            trainable_variables = list(trainable_variables)
-            if not self.built:
-                with keras.name_scope(self.name, caller=self):
-                    self.build(trainable_variables)
-        if len(grads) != len(trainable_variables):
+            return self._trainable_variables
+        variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        return variables
+
+    # ------------------------------------------------------ the model's side
+    def attach(self, model: keras.Model) -> None:
+        """Ties this optimizer to `model`, so that in `model.fit`,
+        `train_on_batch` and the like a rejected step also leaves the state
+        the forward pass writes bit-identical: BatchNormalization statistics,
+        every non-trainable variable, seed-generator state, and on torch the
+        buffers of modules inside `keras.layers.TorchModuleWrapper` (not
+        torch's global generator, which unseeded random layers draw from
+        there: give them a `seed`).
+
+        Keras does not tell an optimizer which model it trains; this call
+        does, by wrapping the model's `train_step` (its public override
+        point) in a transaction. Call it once, before or after `compile`;
+        `NaNGuard` calls it for you. While the model is compiled with this
+        optimizer (or a `LossScaleOptimizer` around it, as `compile` makes
+        under `mixed_float16`) its steps are guarded; compiled with another,
+        they are the plain ones; `detach` undoes it. A step the loss scaler
+        skips is rejected too: a non-finite loss is a bad batch (counted as
+        a non-finite gradient, the loss scale kept), a finite one an
+        overflow (`loss_scale_steps`, the scale halved as usual).
+
+        Args:
+            model: the `keras.Model` this optimizer trains.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> opt.attach(model)
+        >>> x = np.array([[np.nan, 1.0]] * 4, "float32")
+        >>> _ = model.fit(x, np.ones((4, 1)), verbose=0)
+        >>> model.layers[0].moving_mean.numpy().tolist()   # untouched
+        [0.0, 0.0]
+        """
+        self._model_transaction.attach(model)
+
+    def detach(self, model: keras.Model) -> None:
+        """Undoes `attach`: `model.train_step` is Keras's (or yours) again.
+
+        Not needed to train the model with another optimizer: an attached
+        step whose model is compiled with an optimizer other than this one
+        (or a `LossScaleOptimizer` around it) is the plain step. Detaching a
+        model this optimizer is not attached to does nothing.
+
+        Args:
+            model: the `keras.Model` given to `attach`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> opt.attach(model)
+        >>> opt.detach(model)
+        >>> "train_step" in vars(model)
+        False
+        """
+        self._model_transaction.detach(model)
+
+    def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
+        """A custom training step as a whole-model transaction (TensorFlow,
+        torch; eager or inside `tf.function`).
+
+        Wrap the forward pass, the loss, the gradients and this optimizer's
+        `apply`: if the step is rejected, the state the forward pass wrote
+        (BatchNormalization statistics, non-trainable variables, seed state,
+        torch buffers) is put back as it was. If the block raises, that state
+        is put back too. In a JAX stateless loop use `stateless_commit`.
+
+        Args:
+            model: the built `keras.Model` being trained.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)),
+        ...     keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build(model.trainable_variables)
+        >>> grads = [keras.ops.full(v.shape, np.nan) for v in model.trainable_variables]
+        >>> with opt.transaction(model):
+        ...     _ = model(np.ones((4, 2), "float32"), training=True)
+        ...     opt.apply(grads, model.trainable_variables)
+        >>> model.layers[0].moving_mean.numpy().tolist()
+        [0.0, 0.0]
+        """
+        return self._model_transaction.transaction(model)
+
+    def stateless_commit(
+        self,
+        optimizer_variables: Sequence[Any],
+        before: Sequence[Any],
+        after: Sequence[Any],
+    ) -> list[Any]:
+        """JAX stateless loops: the non-trainable values to carry on with.
+
+        `after` (from `stateless_call`) if the step that returned
+        `optimizer_variables` (from `stateless_apply`) was accepted, else
+        `before`, tensor by tensor, on the device.
+
+        Args:
+            optimizer_variables: the values `stateless_apply` returned, in
+                `optimizer.variables` order.
+            before: the non-trainable values the step started from.
+            after: the non-trainable values the forward pass returned.
+
+        Returns:
+            A list of tensors, like `after`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> from keras import ops
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build([keras.Variable(1.0)])
+        >>> kept = opt.stateless_commit([v.value for v in opt.variables],
+        ...                              [ops.zeros(2)], [ops.ones(2)])
+        >>> ops.convert_to_numpy(kept[0]).tolist()   # accepted: `after`
+        [1.0, 1.0]
+        """
+        return self._model_transaction.stateless_commit(
+            optimizer_variables, before, after
+        )
+
+    # ------------------------------------------------------------- reports
+    def counters(
+        self, optimizer_variables: Sequence[Any] | None = None
+    ) -> dict[str, float | int]:
+        """The counters as Python numbers (reads them from the device).
+
+        Args:
+            optimizer_variables: in a JAX stateless loop, the values
+                `stateless_apply` returned (in `optimizer.variables` order);
+                by default this optimizer's own variables.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).counters()["skipped_steps"]
+        0
+        """
+        return self._counters.read(self._own_values(optimizer_variables))
+
+    def describe_last_rejection(
+        self, optimizer_variables: Sequence[Any] | None = None
+    ) -> str:
+        """The last rejected step in words, or `""` if none was rejected.
+
+        Args:
+            optimizer_variables: as for `counters`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).describe_last_rejection()
+        ''
+        """
+        return self._counters.describe_last_rejection(
+            self._names(), self._own_values(optimizer_variables)
+        )
+
+    def check_halted(self, optimizer_variables: Sequence[Any] | None = None) -> None:
+        """Raises `NonFiniteError` if `max_consecutive_skips` was reached.
+
+        Call it where your loop reads values back anyway (e.g. when logging).
+
+        Args:
+            optimizer_variables: as for `counters`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1), max_consecutive_skips=3)
+        >>> opt.check_halted()  # nothing rejected yet: returns quietly
+        """
+        if self.max_consecutive_skips is None:
+            return
+        self._counters.check_halted(
+            self._names(), self._own_values(optimizer_variables)
+        )
+
+    def _own_values(self, optimizer_variables: Sequence[Any] | None) -> list | None:
+        """The values of the counters and the spike window among values of
+        `optimizer.variables` (they come first); `None` for none given."""
+        if optimizer_variables is None:
+            return None
+        values = list(optimizer_variables)
+        if len(values) != len(self.variables):
             raise ValueError(
-                "`grads` and `trainable_variables` must have the same length. "
-                f"Received: len(grads)={len(grads)}, "
-                f"len(trainable_variables)={len(trainable_variables)}"
+                "`optimizer_variables` must hold one value per variable of "
+                f"`optimizer.variables` ({len(self.variables)}), as "
+                f"`stateless_apply` returns them. Received: {len(values)} values"
             )
-        self._check_step_of(trainable_variables)
-        self._plans.applied = True
-        if keras.backend.backend() == "tensorflow":
-            self._tf_apply(grads, trainable_variables)
-        else:
-            # JAX: under a keras.distribution the step is one SPMD program whose
-            # gradients are already global, so every device decides alike.
-            self._transaction(grads, trainable_variables)
-        if (
-            self.max_consecutive_skips is not None
-            and not self._plans.in_fit
-            and step_ops.executing_eagerly(self.consecutive_skips)
-        ):
-            self.check_halted()
+        return values[: len(self._counters.variables())]
+
+    def _names(self) -> list[str]:
+        """What `last_nonfinite_index` counts, by name."""
+        return variable_names(
+            getattr(self, "_trainable_variables", []),
+            self.inner_optimizer.variables,
+        )
 
     # -------------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
+        settings = self._settings
         return {
-            "attached": self._expects_attach or self._plans.attached,
+            "attached": self._model_transaction.saved_as_attached(),
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "clipnorm": self.clipnorm,
-            "lr_backoff": self.lr_backoff,
-            "lr_recovery_steps": self.lr_recovery_steps,
-            "min_lr_scale": self.min_lr_scale,
-            "max_consecutive_skips": self.max_consecutive_skips,
-            "spike_factor": self.spike_factor,
-            "spike_window": self.spike_window,
+            "clipnorm": settings.clipnorm,
+            "lr_backoff": settings.lr_backoff,
+            "lr_recovery_steps": settings.lr_recovery_steps,
+            "min_lr_scale": settings.min_lr_scale,
+            "max_consecutive_skips": settings.max_consecutive_skips,
+            "spike_factor": settings.spike_factor,
+            "spike_window": settings.spike_window,
         }
 
     @classmethod
@@ -371,7 +648,7 @@ class SafeOptimizer(
         attached = config.pop("attached", False)  # not in files of 0.2
         layouts.upgrade_config(config)
         optimizer = cls(inner, **config)
-        optimizer._expects_attach = bool(attached)
+        optimizer._model_transaction.expects_attach = bool(attached)
         return optimizer
 
 

@@ -46,7 +46,9 @@ from keras import ops
 PERCENTILE = 0.9
 
 
-def make_window(optimizer: keras.optimizers.Optimizer, window: int) -> tuple:
+def make_window(
+    optimizer: keras.optimizers.Optimizer, window: int
+) -> tuple[keras.Variable, keras.Variable, keras.Variable]:
     """The ring buffer of norms, the count of steps written into it, and the
     figures of the last spike: threshold and percentile."""
     norms = optimizer.add_variable(
