@@ -14,6 +14,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard._backend import current as backend
 from keras_nanguard.safe_optimizer import loss_scaling, step_ops
 from keras_nanguard.safe_optimizer.counters import Counters
 from keras_nanguard.safe_optimizer.forward_state import (
@@ -98,7 +99,7 @@ class ModelTransaction:
 
     def _guarded_step(self, model: keras.Model, original: Any) -> Callable[..., Any]:
         """The attached `train_step`: JAX's is stateless."""
-        if keras.backend.backend() == "jax":
+        if backend.STATELESS_TRAIN_STEP:
             return self._stateless_train_step(model, original)
         return self._train_step(model, original)
 
@@ -247,7 +248,9 @@ class ModelTransaction:
         # logs on as they are, and torch's callbacks may read them in
         # Keras's worker threads after later steps updated the variables.
         logs.update({k: ops.copy(v.value) for k, v in figures.items()})
-        return _frozen_logs(logs)
+        # torch: copies of live tensors (`backend.frozen`): a torch variable's
+        # value is the tensor later steps update in place.
+        return {k: backend.frozen(v) for k, v in logs.items()}
 
     def _figures(self, model: keras.Model) -> dict[str, keras.Variable]:
         """The counters a `fit` step's logs carry, by log name."""
@@ -340,26 +343,6 @@ class ModelTransaction:
                 "this SafeOptimizer before tying them. "
                 f"Received: model.optimizer={optimizer!r}"
             )
-
-
-def _frozen_logs(logs: dict[str, Any]) -> dict[str, Any]:
-    """torch: the logs with copies of live tensors; other backends: as is.
-
-    A torch variable's value is the live tensor that later steps update in
-    place; callbacks run in Keras's worker threads may read the logs a step
-    or two later, so they get this step's."""
-    if keras.backend.backend() != "torch":
-        return logs
-    return {k: _frozen(v) for k, v in logs.items()}
-
-
-def _frozen(value: Any) -> Any:
-    """A copy of a live torch variable (a Keras variable's value, which is
-    also what a `Sum` metric's `result()` returns); anything else as is."""
-    import torch
-
-    live = isinstance(value, torch.nn.Parameter)
-    return value.detach().clone() if live else value
 
 
 class _Step:

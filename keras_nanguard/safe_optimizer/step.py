@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._backend import current as backend
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.counters import Counters, StepOutcome
@@ -57,7 +57,11 @@ class Transaction:
         self.counters = counters
         self.settings = settings
         self._plans: dict[tuple, Plan] = {}
-        self._tables = _TorchTables()
+        # Tensors the step reuses, made once per call shape (torch: index
+        # tables, rollback buffers; see `_backend`). Plain dicts here: as
+        # attributes of the optimizer, Keras would track them.
+        self._tables: dict = {}
+        self._buffers: dict = {}
         # The variables the optimizer was built with, by id: their positions
         # are the reported indices (names can be found again after loading).
         self._built: dict[int, int] = {}
@@ -77,12 +81,8 @@ class Transaction:
 
     def apply(self, grads: list[Any], variables: list[keras.Variable]) -> None:
         """One step on `grads` for `variables`, as a transaction."""
-        if keras.backend.backend() == "tensorflow":
-            _tf_apply(self._run, self.inner, grads, variables)
-        else:
-            # JAX: under a keras.distribution the step is one SPMD program whose
-            # gradients are already global, so every device decides alike.
-            self._run(grads, variables)
+        # Once per step; under `tf.distribute`, once in cross-replica context.
+        backend.run_step(self._run, self.inner, grads, variables)
 
     def plan(self, grads: list[Any], variables: list[keras.Variable]) -> Plan:
         """What a call with these variables and these missing gradients
@@ -124,7 +124,8 @@ class Transaction:
 
         `update(clip)` runs the inner optimizer, `clip` mapping a gradient
         list to its clipped copy; by default on `grads` themselves (under
-        `tf.distribute`, `_tf_apply` hands each replica its own).
+        `tf.distribute`, `_backend.tensorflow.run_step` hands each replica its
+        own).
         """
         plan = self.plan(grads, variables)
         norm, grad_finite = kernels.norm_and_finite([grads[i] for i in plan.checked])
@@ -137,7 +138,9 @@ class Transaction:
             update = _update_of(self.inner, grads, variables)
         # The rollback point: weights and all inner optimizer variables, read
         # before the inner update writes to them.
-        backup = step_ops.snapshot(plan.state, self._tables.buffers(plan.state))
+        backup = step_ops.snapshot(
+            plan.state, backend.rollback_buffers(plan.state, self._buffers)
+        )
         with self._inner_settings(accumulating):
             self._update(update, clip)
         new_finite = kernels.finite_flags([plan.state[j] for j in plan.floats])
@@ -160,11 +163,11 @@ class Transaction:
         return ops.where(
             grads_ok,
             ops.take(
-                self._tables.index(plan.state_index, like),
+                backend.index_table(plan.state_index, like, self._tables),
                 step_ops.first_false(new_finite),
             ),
             ops.take(
-                self._tables.index(plan.grad_index, like),
+                backend.index_table(plan.grad_index, like, self._tables),
                 step_ops.first_false(grad_finite),
             ),
         )
@@ -246,120 +249,3 @@ def _update_of(
         inner.apply(clip(list(grads)), variables)
 
     return update
-
-
-# A step on gradients to decide on: `Transaction._run`.
-Run = Callable[[list[Any], list[keras.Variable], Update | None], None]
-
-
-def _tf_apply(
-    run: Run,
-    inner: keras.optimizers.Optimizer,
-    grads: list[Any],
-    variables: list[keras.Variable],
-) -> None:
-    """The transaction `run` under `tf.distribute` (the one place that knows it).
-
-    In a replica context of a real strategy each replica holds its own
-    gradients. They are all-reduced first, and the whole transaction then
-    runs once in cross-replica context (`merge_call`), as Keras's
-    LossScaleOptimizer does: one decision, taken on the aggregated
-    gradients and the resulting mirrored state, and so the same on every
-    replica, with every write (update, rollback, counters) mirrored.
-    """
-    import tensorflow as tf
-
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or not tf.distribute.has_strategy():
-        run(grads, variables, None)  # default strategy or cross-replica
-        return
-    summed = _all_reduced(ctx, grads)
-
-    def cross_replica(
-        distribution: Any, summed: Any, grads: Any, variables: Any
-    ) -> None:
-        variables = list(variables)
-        # The decision: on the summed gradients (the same on every replica).
-        decide_on = [
-            None if g is None else distribution.experimental_local_results(g)[0]
-            for g in summed
-        ]
-
-        def update(clip: Clip) -> None:
-            # The update: each replica hands the inner optimizer its own
-            # gradients, which it all-reduces itself, as it would unwrapped.
-            def per_replica(grads: Any, variables: Any) -> None:
-                inner.apply(clip(list(grads)), list(variables))
-
-            distribution.extended.call_for_each_replica(
-                per_replica, args=(grads, variables)
-            )
-
-        run(decide_on, variables, update)
-
-    ctx.merge_call(cross_replica, args=(summed, grads, variables))
-
-
-def _all_reduced(ctx: Any, grads: list[Any]) -> list[Any]:
-    """tf.distribute: the sum over the replicas of each gradient present."""
-    import tensorflow as tf
-
-    present = [i for i, g in enumerate(grads) if g is not None]
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
-    summed: list[Any] = [None] * len(grads)
-    for i, g in zip(present, reduced, strict=True):
-        summed[i] = g
-    return summed
-
-
-class _TorchTables:
-    """torch: tensors the step reuses, made once per call shape (index
-    tables and rollback buffers); other backends keep none. Kept out of
-    Keras's variable tracking (a plain dict attribute of the optimizer would
-    be tracked, and its variables with it)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, tuple[list, list]] = {}
-        self._indices: dict[tuple, Any] = {}
-
-    def index(self, values: tuple[int, ...], like: keras.Variable) -> Any:
-        """Reported indices as a table the step gathers from. On torch a
-        tensor on `like`'s device, made once in eager steps (no host copy
-        per step) and a constant of the graph in compiled ones (a NumPy
-        array there would break the graph); elsewhere a NumPy constant."""
-        if keras.backend.backend() != "torch":
-            return np.array(values, "int32")
-        return _torch_index(values, like, self._indices)
-
-    def buffers(self, state: list[keras.Variable]) -> list | None:
-        """torch, eager: buffers the rollback snapshot is copied
-        into, made once and reused every step; otherwise `None`."""
-        if keras.backend.backend() != "torch":
-            return None
-        return _torch_rollback_buffers(state, self._buffers)
-
-
-def _torch_index(values: tuple[int, ...], like: keras.Variable, made: dict) -> Any:
-    import torch
-
-    def make() -> Any:
-        return torch.tensor(values, dtype=torch.int32, device=like.value.device)
-
-    if torch.compiler.is_compiling():
-        return make()
-    if values not in made:
-        made[values] = make()
-    return made[values]
-
-
-def _torch_rollback_buffers(state: list[keras.Variable], made: dict) -> list | None:
-    import torch
-
-    if torch.compiler.is_compiling():
-        return None  # no Python-held tensors inside a compiled graph
-    key = tuple(id(v) for v in state)
-    if key not in made:
-        # The variables are kept with their buffers, so their ids cannot
-        # be reused by other variables while the key lives.
-        made[key] = (list(state), [torch.empty_like(v.value) for v in state])
-    return made[key][1]
