@@ -9,11 +9,13 @@ of this folder are private:
 - `counters`: `Counters`, a dataclass of the counters (named device
   variables): their creation (the saved layout), updates and reports.
 - `step`: `Transaction`, one step as a transaction (decide, update, check,
-  commit or roll back), and the one place that knows `tf.distribute`.
+  commit or roll back); `tf.distribute` is `_backend/tensorflow.py`'s.
 - `model_transaction`: `ModelTransaction`, the model's side (`attach`,
   `transaction`, `stateless_commit`), with `forward_state` (what the forward
   pass writes) and `loss_scaling` (a `LossScaleOptimizer` around the
   wrapper).
+- `attributes`: the optimizer's attributes over its parts (settings read
+  and set, counters read).
 - `spike_window`: the gradient-norm spike rule; `inner`: checks of the
   wrapped optimizer; `file_layouts`: files of earlier versions;
   `step_ops`: small tensor operations of the step.

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar, overload
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
 
 from keras_nanguard.safe_optimizer import file_layouts as layouts
 from keras_nanguard.safe_optimizer import step_ops
+from keras_nanguard.safe_optimizer.attributes import CounterAttribute, SettingAttribute
 from keras_nanguard.safe_optimizer.counters import (
     COUNTER_NAMES,
     Counters,
@@ -23,74 +23,6 @@ from keras_nanguard.safe_optimizer.inner import forwarded, refuse_unknown, resol
 from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
 from keras_nanguard.safe_optimizer.settings import Settings
 from keras_nanguard.safe_optimizer.step import Transaction
-
-T = TypeVar("T")
-
-
-class _Setting(Generic[T]):
-    """An argument of SafeOptimizer, read and set on it (see `Settings`):
-    setting one hands new `Settings` to the optimizer's parts."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> _Setting[T]: ...
-    @overload
-    def __get__(self, obj: SafeOptimizer, owner: type | None = None) -> T: ...
-    def __get__(
-        self, obj: SafeOptimizer | None, owner: type | None = None
-    ) -> T | _Setting[T]:
-        if obj is None:
-            return self
-        value: T = getattr(obj._settings, self._name)
-        return value
-
-    def __set__(self, obj: SafeOptimizer, value: T) -> None:
-        # The base class's __init__ writes its own `clipnorm` before the
-        # settings are made; that is not the user's and is dropped.
-        if "_settings" in obj.__dict__:
-            changed: dict[str, Any] = {self._name: value}
-            obj._configure(dataclasses.replace(obj._settings, **changed))
-
-
-class _Counter:
-    """One of the optimizer's `Counters` (a `keras.Variable`), read on it as
-    `opt.<name>`, e.g. `int(opt.skipped_steps)`."""
-
-    def __init__(self, of: Callable[[Counters], keras.Variable | None]) -> None:
-        self._of = of
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-        field = {f.name: f for f in dataclasses.fields(Counters)}[name]
-        self.__doc__ = field.metadata["doc"]
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> _Counter: ...
-    @overload
-    def __get__(
-        self, obj: SafeOptimizer, owner: type | None = None
-    ) -> keras.Variable: ...
-    def __get__(
-        self, obj: SafeOptimizer | None, owner: type | None = None
-    ) -> keras.Variable | _Counter:
-        if obj is None:
-            return self
-        counters = obj.__dict__.get("_counters")
-        variable = None if counters is None else self._of(counters)
-        if variable is None:
-            raise AttributeError(
-                f"SafeOptimizer has no `{self._name}`"
-                + (" without `spike_factor`" if counters is not None else "")
-            )
-        return variable
-
-    def __set__(self, obj: SafeOptimizer, value: Any) -> None:
-        raise AttributeError(
-            f"`{self._name}` is a counter of the SafeOptimizer: assign its value "
-            f"with `optimizer.{self._name}.assign(...)`."
-        )
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -192,34 +124,34 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     gradient_accumulation_steps = forwarded("gradient_accumulation_steps")
 
     # The arguments, as given (checked); see `Settings`.
-    clipnorm = _Setting[float | None]()
-    lr_backoff = _Setting[float | None]()
-    lr_recovery_steps = _Setting[int]()
-    min_lr_scale = _Setting[float]()
-    max_consecutive_skips = _Setting[int | None]()
-    spike_factor = _Setting[float | None]()
-    spike_window = _Setting[int]()
+    clipnorm = SettingAttribute[float | None]()
+    lr_backoff = SettingAttribute[float | None]()
+    lr_recovery_steps = SettingAttribute[int]()
+    min_lr_scale = SettingAttribute[float]()
+    max_consecutive_skips = SettingAttribute[int | None]()
+    spike_factor = SettingAttribute[float | None]()
+    spike_window = SettingAttribute[int]()
 
     # The counters (the README has the table), then the spike window's
     # variables (with `spike_factor`); see `Counters`.
-    skipped_steps = _Counter(lambda c: c.skipped_steps)
-    consecutive_skips = _Counter(lambda c: c.consecutive_skips)
-    nonfinite_gradient_steps = _Counter(lambda c: c.nonfinite_gradient_steps)
-    nonfinite_update_steps = _Counter(lambda c: c.nonfinite_update_steps)
-    clipped_steps = _Counter(lambda c: c.clipped_steps)
-    last_grad_norm = _Counter(lambda c: c.last_grad_norm)
-    rejected_grad_norm = _Counter(lambda c: c.rejected_grad_norm)
-    last_rejection = _Counter(lambda c: c.last_rejection)
-    last_nonfinite_index = _Counter(lambda c: c.last_nonfinite_index)
-    lr_scale = _Counter(lambda c: c.lr_scale)
-    consecutive_accepts = _Counter(lambda c: c.consecutive_accepts)
-    accepted_grad_norm = _Counter(lambda c: c.accepted_grad_norm)
-    spike_steps = _Counter(lambda c: c.spike_steps)
-    loss_scale_steps = _Counter(lambda c: c.loss_scale_steps)
-    recent_rejections = _Counter(lambda c: c.recent_rejections)
-    spike_norms = _Counter(lambda c: c.spike_norms)
-    spike_count = _Counter(lambda c: c.spike_count)
-    last_spike = _Counter(lambda c: c.last_spike)
+    skipped_steps = CounterAttribute(lambda c: c.skipped_steps)
+    consecutive_skips = CounterAttribute(lambda c: c.consecutive_skips)
+    nonfinite_gradient_steps = CounterAttribute(lambda c: c.nonfinite_gradient_steps)
+    nonfinite_update_steps = CounterAttribute(lambda c: c.nonfinite_update_steps)
+    clipped_steps = CounterAttribute(lambda c: c.clipped_steps)
+    last_grad_norm = CounterAttribute(lambda c: c.last_grad_norm)
+    rejected_grad_norm = CounterAttribute(lambda c: c.rejected_grad_norm)
+    last_rejection = CounterAttribute(lambda c: c.last_rejection)
+    last_nonfinite_index = CounterAttribute(lambda c: c.last_nonfinite_index)
+    lr_scale = CounterAttribute(lambda c: c.lr_scale)
+    consecutive_accepts = CounterAttribute(lambda c: c.consecutive_accepts)
+    accepted_grad_norm = CounterAttribute(lambda c: c.accepted_grad_norm)
+    spike_steps = CounterAttribute(lambda c: c.spike_steps)
+    loss_scale_steps = CounterAttribute(lambda c: c.loss_scale_steps)
+    recent_rejections = CounterAttribute(lambda c: c.recent_rejections)
+    spike_norms = CounterAttribute(lambda c: c.spike_norms)
+    spike_count = CounterAttribute(lambda c: c.spike_count)
+    last_spike = CounterAttribute(lambda c: c.last_spike)
 
     def __init__(
         self,

@@ -1,0 +1,88 @@
+"""SafeOptimizer's attributes over its parts: its settings (`Settings`),
+read and set on the optimizer, and its counters (`Counters`), read on it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, overload
+
+import keras
+
+from keras_nanguard.safe_optimizer.counters import Counters
+from keras_nanguard.safe_optimizer.settings import Settings
+
+
+class _Owner(Protocol):
+    """What the descriptors need of the optimizer they are attributes of."""
+
+    _settings: Settings
+
+    def _configure(self, settings: Settings) -> None: ...
+
+
+T = TypeVar("T")
+
+
+class SettingAttribute(Generic[T]):
+    """An argument of SafeOptimizer, read and set on it (see `Settings`):
+    setting one hands new `Settings` to the optimizer's parts."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> SettingAttribute[T]: ...
+    @overload
+    def __get__(self, obj: _Owner, owner: type | None = None) -> T: ...
+    def __get__(
+        self, obj: _Owner | None, owner: type | None = None
+    ) -> T | SettingAttribute[T]:
+        if obj is None:
+            return self
+        value: T = getattr(obj._settings, self._name)
+        return value
+
+    def __set__(self, obj: _Owner, value: T) -> None:
+        # The base class's __init__ writes its own `clipnorm` before the
+        # settings are made; that is not the user's and is dropped.
+        if "_settings" in obj.__dict__:
+            changed: dict[str, Any] = {self._name: value}
+            obj._configure(dataclasses.replace(obj._settings, **changed))
+
+
+class CounterAttribute:
+    """One of the optimizer's `Counters` (a `keras.Variable`), read on it as
+    `opt.<name>`, e.g. `int(opt.skipped_steps)`."""
+
+    def __init__(self, of: Callable[[Counters], keras.Variable | None]) -> None:
+        self._of = of
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+        field = {f.name: f for f in dataclasses.fields(Counters)}[name]
+        self.__doc__ = field.metadata["doc"]
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> CounterAttribute: ...
+    @overload
+    def __get__(self, obj: _Owner, owner: type | None = None) -> keras.Variable: ...
+    def __get__(
+        self, obj: _Owner | None, owner: type | None = None
+    ) -> keras.Variable | CounterAttribute:
+        if obj is None:
+            return self
+        counters = obj.__dict__.get("_counters")
+        variable = None if counters is None else self._of(counters)
+        if variable is None:
+            raise AttributeError(
+                f"SafeOptimizer has no `{self._name}`"
+                + (" without `spike_factor`" if counters is not None else "")
+            )
+        return variable
+
+    def __set__(self, obj: _Owner, value: Any) -> None:
+        raise AttributeError(
+            f"`{self._name}` is a counter of the SafeOptimizer: assign its value "
+            f"with `optimizer.{self._name}.assign(...)`."
+        )
