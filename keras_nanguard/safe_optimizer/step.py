@@ -2,9 +2,10 @@
 
 `Transaction` is the machinery behind `SafeOptimizer.apply`, kept apart from
 the public face: which variables a call shape checks (`plan`), the
-transaction itself, the inner optimizer's settings for the length of a step,
-and the one place that knows `tf.distribute` (`_tf_apply`). It writes the
-inner optimizer's variables, the weights it is handed, and the `Counters`.
+transaction itself, and the inner optimizer's settings for the length of a
+step (`tf.distribute` is `_backend/tensorflow.py`'s `run_step`). It writes
+the inner optimizer's variables, the weights it is handed, and the
+`Counters`.
 """
 
 from __future__ import annotations
