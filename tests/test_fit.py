@@ -258,7 +258,14 @@ def test_torch_compiled_fit_compiles_as_often_as_plain_keras(guarded):
     opt = ng.SafeOptimizer(keras.optimizers.RMSprop(1e-3), clipnorm=1.0)
     if guarded:  # NaNGuard attaches it: a wrapped train_step, compiled too
         safe = graphs(opt, [ng.NaNGuard(verbose=0)])
-        assert safe == plain + 2
+        # Three more, each compiled once (a step that recompiled would reach
+        # dynamo's limit of 8): the wrapper's frame breaks where Keras's
+        # layer call reads its signature (a mappingproxy) after the wrapper's
+        # Python bookkeeping wrote attributes ("mapping proxy affected by
+        # dictionary mutation"), and resumes after it. (Until the torch
+        # registration hooks moved to import time, a break at their
+        # registration in the first step split the frame earlier: +2.)
+        assert safe == plain + 3
     else:
         safe = graphs(opt)
         assert safe == plain

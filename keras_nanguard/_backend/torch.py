@@ -104,12 +104,15 @@ def _count_registration(*args: Any) -> None:
     _registrations[0] += 1
 
 
+# Counted from this import on, in eager code: registering them at the first
+# step would put a branch on `_registrations` into the compiled step, which
+# `torch.compile` would guard on and compile twice.
+torch_module.register_module_module_registration_hook(_count_registration)
+torch_module.register_module_buffer_registration_hook(_count_registration)
+
+
 def extra_forward_state(model: keras.Model) -> list[Tensor]:
     """The buffers of torch modules (inside `TorchModuleWrapper`)."""
-    if not _registrations[0]:  # the first call: from now on, count
-        torch_module.register_module_module_registration_hook(_count_registration)
-        torch_module.register_module_buffer_registration_hook(_count_registration)
-        _registrations[0] = 1
     key = (_registrations[0], tuple(map(id, model.weights)))
     cached = _BUFFERS.get(model)
     if cached is None or cached[0] != key:
