@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from keras_nanguard.nan_guard import _MAX_LAG
+from keras_nanguard.nan_guard.callback import _MAX_LAG
 from tests.helpers import BACKEND, mse_model
 
 
