@@ -50,41 +50,61 @@ class _Norm(keras.layers.Layer):
 
 
 # ------------------------------------------------------------------ corpus
+# Case name -> the (stage, layer, cause) diagnose must report for it.
+EXPECTED = {}
+
+
+def _expects(stage, layer, cause):
+    """Records what `diagnose` must find in the case it decorates."""
+
+    def record(case):
+        EXPECTED[case.__name__[5:]] = (stage, layer, cause)
+        return case
+
+    return record
+
+
+@_expects("input", None, "nonfinite_input")
 def case_input():
     x, y = _xy()
     x[3, 2] = np.nan
-    return _mlp(), x, y, {"loss": "mse"}, ("input", None, "nonfinite_input")
+    return _mlp(), x, y, {"loss": "mse"}
 
 
+@_expects("target", None, "nonfinite_target")
 def case_target():
     x, y = _xy()
     y[5, 0] = np.inf
-    return _mlp(), x, y, {"loss": "mse"}, ("target", None, "nonfinite_target")
+    return _mlp(), x, y, {"loss": "mse"}
 
 
+@_expects("weights", "hidden2", "nonfinite_weights")
 def case_weights():
     model = _mlp()
     model.get_layer("hidden2").kernel.assign(np.full((8, 8), np.nan, "float32"))
     x, y = _xy()
-    return model, x, y, {"loss": "mse"}, ("weights", "hidden2", "nonfinite_weights")
+    return model, x, y, {"loss": "mse"}
 
 
+@_expects("forward", "hidden1", "activation_overflow")
 def case_activation_overflow():
     model = _mlp()
     model.get_layer("hidden1").kernel.assign(np.full((4, 8), 1e37, "float32"))
     x, y = _xy()
     x = np.abs(x) + 10  # 4 * 10 * 1e37 > 3.4e38
-    return model, x, y, {"loss": "mse"}, ("forward", "hidden1", "activation_overflow")
+    return model, x, y, {"loss": "mse"}
 
 
+@_expects("forward", "wn4", "activation_overflow")
 def case_critic_relu():
     """The user's critic with ReLU after its weights grew: activations blow up."""
     critic = models.critic("relu", g_init=1e10)
     x = np.abs(np.random.default_rng(0).standard_normal((16, 8))).astype("float32")
     y = np.zeros((16, 1), "float32")
-    return critic, x, y, {}, ("forward", "wn4", "activation_overflow")
+    return critic, x, y, {}
 
 
+@_expects("forward", "wn2", "invalid_arithmetic")
 def case_critic_zero_norm():
     """The critic with a weight column that reached 0: 0 * g / 0 in forward."""
     critic = models.critic("relu")
@@ -92,46 +112,32 @@ def case_critic_zero_norm():
     v[:, 3] = 0.0
     critic.get_layer("wn2").V.assign(v)
     x = np.random.default_rng(0).standard_normal((16, 8)).astype("float32")
-    return (
-        critic,
-        x,
-        np.zeros((16, 1), "float32"),
-        {},
-        ("forward", "wn2", "invalid_arithmetic"),
-    )
+    return critic, x, np.zeros((16, 1), "float32"), {}
 
 
+@_expects("loss", "policy", "log_of_zero")
 def case_actor_log_of_zero():
     actor, x = _saturated_actor()
     y = np.tile(
         np.array([[0.0, 1.5]], "float32"), (4, 1)
     )  # took action 1, advantage 1.5
-    return (
-        actor,
-        x,
-        y,
-        {"loss": models.policy_gradient_loss},
-        ("loss", "policy", "log_of_zero"),
-    )
+    return actor, x, y, {"loss": models.policy_gradient_loss}
 
 
+@_expects("backward", "policy", "log_of_zero")
 def case_actor_gathered_log():
     actor, x = _saturated_actor()
     actions = np.zeros((4,), "int32")  # took the likely action: loss finite
-    return (
-        actor,
-        x,
-        actions,
-        {"loss": models.gathered_log_prob_loss},
-        ("backward", "policy", "log_of_zero"),
-    )
+    return actor, x, actions, {"loss": models.gathered_log_prob_loss}
 
 
+@_expects("loss", "out", "loss_overflow")
 def case_loss_overflow():
     x, y = _xy()
-    return _mlp(), x, y * 1e20, {"loss": "mse"}, ("loss", "out", "loss_overflow")
+    return _mlp(), x, y * 1e20, {"loss": "mse"}
 
 
+@_expects("backward", "proj", "nonfinite_gradient")
 def case_nonfinite_gradient():
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -143,32 +149,22 @@ def case_nonfinite_gradient():
         ]
     )
     x, y = _xy()
-    return model, x, y, {"loss": "mse"}, ("backward", "proj", "nonfinite_gradient")
+    return model, x, y, {"loss": "mse"}
 
 
+@_expects("backward", "linear", "exploding_gradient")
 def case_exploding_gradient():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="linear")])
     x, y = _xy()
-    return (
-        model,
-        x * 1e5,
-        y,
-        {"loss": "mse"},
-        ("backward", "linear", "exploding_gradient"),
-    )
+    return model, x * 1e5, y, {"loss": "mse"}
 
 
+@_expects("update", "hidden1", "update_overflow")
 def case_update_overflow():
     x, y = _xy()
     # Gradients of order 10-100 (finite, not exploding): lr * g > 3.4e38.
-    return (
-        _mlp(),
-        x * 30,
-        y,
-        {"loss": "mse", "optimizer": keras.optimizers.SGD(1e38)},
-        ("update", "hidden1", "update_overflow"),
-    )
+    return _mlp(), x * 30, y, {"loss": "mse", "optimizer": keras.optimizers.SGD(1e38)}
 
 
 CORPUS = {
@@ -177,13 +173,17 @@ CORPUS = {
 
 
 def test_corpus_covers_every_cause():
-    covered = {CORPUS[name]()[-1][2] for name in CORPUS}
+    # What each case must be diagnosed as, read without building its model
+    # (test_broken_models_are_diagnosed builds each and checks it).
+    assert set(EXPECTED) == set(CORPUS)
+    covered = {cause for _, _, cause in EXPECTED.values()}
     assert covered == set(CAUSES)
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_broken_models_are_diagnosed(name):
-    model, x, y, kwargs, (stage, layer, cause) = CORPUS[name]()
+    model, x, y, kwargs = CORPUS[name]()
+    stage, layer, cause = EXPECTED[name]
     before = numpy(model.weights)
     report = ng.diagnose(model, x, y, **kwargs)
     assert (report.stage, report.layer, report.causes[0]) == (stage, layer, cause), str(
@@ -314,14 +314,14 @@ def test_healthy_models_raise_no_false_alarm(name):
 
 # ------------------------------------------------------------------ report
 def test_report_text_and_json_for_the_two_user_cases():
-    model, x, y, kwargs, _ = case_actor_log_of_zero()
+    model, x, y, kwargs = case_actor_log_of_zero()
     actor = ng.diagnose(model, x, y, **kwargs)
     text = str(actor)
     assert "loss stage in layer 'policy'" in text
     assert "log_of_zero" in text and "StableSoftmax(log_probs=True)" in text
     stats = {s.name: s for s in actor.layers}
     assert stats["policy"].saturated_fraction == 1.0
-    model, x, y, kwargs, _ = case_critic_relu()
+    model, x, y, kwargs = case_critic_relu()
     critic = ng.diagnose(model, x, y, **kwargs)
     assert "forward stage in layer 'wn4'" in str(critic)
     assert "He initialisation" in str(critic)
