@@ -31,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
+from _torch_traffic import traffic  # this folder is on sys.path
 
 import keras_nanguard as ng
 
@@ -126,38 +127,12 @@ def jax_reference_bytes(model) -> float:
 
 def torch_traffic(model, optimizer) -> tuple[float, int]:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     tv = model.trainable_variables
     grads = [torch.as_tensor(g) for g in _grads(model)]
     optimizer.apply(grads, tv)  # build and warm up: buffers are made once
 
-    free = {"view", "_unsafe_view", "t", "detach", "alias", "expand", "as_strided"}
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-            self.host_reads = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            name = func.overloadpacket.__name__
-            if name == "_local_scalar_dense":
-                self.host_reads += 1
-            if name in free:
-                return out
-            seen = set()
-            for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
-                if isinstance(t, torch.Tensor) and id(t) not in seen:
-                    seen.add(id(t))
-                    self.bytes += t.numel() * t.element_size()
-            return out
-
-    with Count() as count:
-        optimizer.apply(grads, tv)
-    return float(count.bytes), count.host_reads
+    return traffic(lambda: optimizer.apply(grads, tv))
 
 
 def main() -> None:

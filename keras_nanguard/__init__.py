@@ -24,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from keras_nanguard import faults, ops
 from keras_nanguard.diagnosis import CAUSES, Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.incidents import Incident
+from keras_nanguard.incidents import Incident, QuarantinedRow
 from keras_nanguard.nan_guard import NaNGuard
 from keras_nanguard.safe_optimizer import SafeOptimizer
 from keras_nanguard.stable_softmax import StableSoftmax
@@ -40,6 +40,7 @@ __all__ = [
     "Incident",
     "NaNGuard",
     "NonFiniteError",
+    "QuarantinedRow",
     "SafeOptimizer",
     "StableSoftmax",
     "__version__",

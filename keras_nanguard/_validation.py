@@ -65,6 +65,13 @@ def check_in(
     return float(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is a bool (NumPy's too)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
 def check_int(name: str, value: Any, low: int, allow_none: bool = False) -> Any:
     """`value` as an int, if it is an integer >= `low` (or None if allowed)."""
     if value is None and allow_none:

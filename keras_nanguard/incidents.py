@@ -22,7 +22,35 @@ KINDS: dict[str, str] = {
     "loss_spike": "the batch loss stayed far above its rolling mean",
     "nonfinite_validation": "a validation figure (val_...) is NaN or inf, the "
     "weights are finite: never trouble",
+    "quarantined_samples": "rows of the data were left out of their steps "
+    "(`quarantine=True`): never trouble",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarantinedRow:
+    """A row of a batch that the quarantine left out of its step.
+
+    `step` is the 0-based step of the `fit` (number `fit` of the guard),
+    `batch` that step's batch in epoch `epoch`, `row` the row in the batch,
+    `reasons` why (`"non-finite input"`, `"non-finite target"`,
+    `"non-finite sample weight"`, `"non-finite loss"`), and `position` its
+    index in the `replay` data NaNGuard was given (the data `fit` reads in
+    order), else `None`.
+    """
+
+    fit: int
+    epoch: int
+    step: int
+    batch: int
+    row: int
+    reasons: tuple[str, ...]
+    position: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["reasons"] = list(self.reasons)
+        return out
 
 
 @dataclasses.dataclass
@@ -43,7 +71,9 @@ class Incident:
     its rolling mean; `step` is where the streak began, `steps` its length,
     `detail` the figures that triggered it) and `"nonfinite_validation"` (a
     `val_` figure is NaN or inf at an epoch's end while the weights are
-    finite: recorded, never trouble; `batch` is -1).
+    finite: recorded, never trouble; `batch` is -1) and
+    `"quarantined_samples"` (rows left out of their steps by the
+    quarantine, one incident per epoch, the rows in `rows`: never trouble).
     """
 
     fit: int
@@ -60,9 +90,11 @@ class Incident:
     learning_rate: tuple[float, float] | None = None
     batch_data: Any = dataclasses.field(default=None, repr=False)
     diagnosis: Any = dataclasses.field(default=None, repr=False)
+    rows: list[QuarantinedRow] = dataclasses.field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["rows"] = [r.to_dict() for r in self.rows]
         out.pop("batch_data")
         diagnosis = out.pop("diagnosis")
         if self.diagnosis is not None and hasattr(self.diagnosis, "to_dict"):

@@ -12,6 +12,7 @@ from keras import ops
 import keras_nanguard as ng
 from keras_nanguard.safe_optimizer.counters import (
     COUNTER_NAMES,
+    QUARANTINE_LOG_ROWS,
     Counters,
     Reason,
     StepOutcome,
@@ -36,7 +37,12 @@ LAYOUT = [
     ("spike_steps", "int32", (), 0),
     ("loss_scale_steps", "int32", (), 0),
     ("recent_rejections", "int32", (), 0),
+    ("quarantine_steps", "int32", (), 0),
+    ("quarantined_samples", "int32", (), 0),
+    ("quarantine_limit_steps", "int32", (), 0),
 ]
+# The log of quarantined rows follows (not a number: `read` leaves it out).
+LOG = ("quarantine_log", "int32", (QUARANTINE_LOG_ROWS + 1, 2))
 WINDOW = [
     ("spike_norms", "float32", (4,)),
     ("spike_count", "int32", ()),
@@ -72,22 +78,23 @@ def _read(counters, *names):
 # ------------------------------------------------------------------ creation
 def test_creation_makes_the_saved_layout_in_order():
     counters, holder = _counters()
-    expected = [(n, d, s) for n, d, s, _ in LAYOUT]
+    expected = [(n, d, s) for n, d, s, _ in LAYOUT] + [LOG]
     assert _layout(counters.variables()) == expected
     # They are the holder's own variables, after its two of the base class.
     assert _layout(holder.variables[2:]) == expected
-    assert [v.aggregation for v in counters.variables()] == ["none"] * 15
+    assert [v.aggregation for v in counters.variables()] == ["none"] * 19
     assert counters.read() == {n: initial for n, _, _, initial in LAYOUT}
     assert [type(v) for v in counters.read().values()] == [
         float if d == "float32" else int for _, d, _, _ in LAYOUT
     ]
-    assert tuple(n for n, _, _, _ in LAYOUT) == COUNTER_NAMES
+    assert (*tuple(n for n, _, _, _ in LAYOUT), LOG[0]) == COUNTER_NAMES
+    assert (ops.convert_to_numpy(counters.quarantine_log) == -1).all()
     assert counters.spike_norms is None and counters.last_spike is None
 
 
 def test_the_spike_window_follows_the_counters():
     counters, _ = _counters(spike_factor=10.0, spike_window=4)
-    expected = [(n, d, s) for n, d, s, _ in LAYOUT] + WINDOW
+    expected = [(n, d, s) for n, d, s, _ in LAYOUT] + [LOG] + WINDOW
     assert _layout(counters.variables()) == expected
     assert counters.window() == (
         counters.spike_norms,
@@ -110,6 +117,10 @@ def test_history_variables_are_the_reports_not_the_control_state():
         "spike_steps",
         "loss_scale_steps",
         "recent_rejections",
+        "quarantine_steps",
+        "quarantined_samples",
+        "quarantine_limit_steps",
+        "quarantine_log",
     ]
 
 
@@ -342,3 +353,35 @@ def test_no_limit_never_halts():
 def test_variable_names_count_trainable_then_optimizer_variables():
     a, b = keras.Variable(1.0, name="a"), keras.Variable(2.0, name="b")
     assert variable_names([a], [b]) == ["'a'", "optimizer variable 'b'"]
+
+
+# ------------------------------------------------------------------ quarantine
+def _quarantine(counters, codes, over=False):
+    counters.record_quarantine(
+        ops.convert_to_tensor(np.array(codes, "int32")), ops.convert_to_tensor(over)
+    )
+
+
+def test_quarantined_rows_are_counted_and_logged_in_order():
+    counters, _ = _counters()
+    _quarantine(counters, [0, 1, 0, 8])  # step 1: rows 1 (input) and 3 (loss)
+    _quarantine(counters, [0, 0, 0, 0])  # step 2: clean
+    _quarantine(counters, [2, 1, 0, 0], over=True)  # step 3: over the limit
+    _quarantine(counters, [4, 0, 0, 0])  # step 4: row 0 (weight)
+    names = ("quarantine_steps", "quarantined_samples", "quarantine_limit_steps")
+    assert _read(counters, *names) == (4, 3, 1)
+    assert counters.quarantined_rows(0, 3) == [(1, 1, 1), (1, 3, 8), (4, 0, 4)]
+    assert counters.quarantined_rows(2, 3) == [(4, 0, 4)]
+
+
+def test_the_quarantine_log_keeps_the_latest_rows():
+    counters, _ = _counters()
+    size = QUARANTINE_LOG_ROWS
+    _quarantine(counters, [1] * (size - 2))  # rows 0..size-3 of the total
+    _quarantine(counters, [0, 2, 2, 2, 0])  # 3 more: the ring wraps once
+    total = counters.read()["quarantined_samples"]
+    assert total == size + 1
+    rows = counters.quarantined_rows(0, total)
+    assert len(rows) == size  # the oldest one was written over
+    assert rows[0] == (1, 1, 1)
+    assert rows[-3:] == [(2, 1, 2), (2, 2, 2), (2, 3, 2)]

@@ -127,6 +127,8 @@ def test_numpy_scalars_and_paths_are_accepted_as_plain_values(tmp_path):
         directory=tmp_path / "snaps",
         report_path=tmp_path / "r.json",
         batch_size=np.int64(8),
+        quarantine=np.bool_(True),
+        max_quarantine_fraction=np.float32(0.25),
         verbose=np.int64(0),
     )
     config = guard.get_config()
@@ -145,11 +147,13 @@ def test_numpy_scalars_and_paths_are_accepted_as_plain_values(tmp_path):
         "directory": str(tmp_path / "snaps"),
         "report_path": str(tmp_path / "r.json"),
         "batch_size": 8,
+        "quarantine": True,
+        "max_quarantine_fraction": 0.25,
         "verbose": 0,
     }
     # Plain Python values: the config is JSON, as `.keras` files store it.
     assert json.loads(json.dumps(config)) == config
-    assert {type(v) for v in config.values()} == {str, int, float}
+    assert {type(v) for v in config.values()} == {str, int, float, bool}
 
 
 def test_unwritable_directory_fails_at_train_begin(tmp_path):

@@ -19,7 +19,7 @@ def test_each_counter_on_the_optimizer_is_its_variable_in_order():
     # Then the inner optimizer's, and nothing twice.
     rest = opt.variables[len(names) :]
     assert [id(v) for v in rest] == [id(v) for v in opt.inner_optimizer.variables]
-    assert len({id(v) for v in opt.variables}) == len(opt.variables) == 22
+    assert len({id(v) for v in opt.variables}) == len(opt.variables) == 26
 
 
 def test_without_spike_factor_there_is_no_window():

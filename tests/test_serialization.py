@@ -178,7 +178,16 @@ def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     ]
     assert_bit_identical(saved[2:13], numpy(opt.variables[:11]), "counters")
     assert [int(v) for v in numpy(opt.variables[12:15])] == [0, 0, 0]  # new since
-    loaded = numpy(opt.variables[15:])
+    # New since too: the quarantine's counters and log, at their initial values.
+    assert names[15:19] == [
+        "quarantine_steps",
+        "quarantined_samples",
+        "quarantine_limit_steps",
+        "quarantine_log",
+    ]
+    assert [int(v) for v in numpy(opt.variables[15:18])] == [0, 0, 0]
+    assert (numpy(opt.variables[18:19])[0] == -1).all()
+    loaded = numpy(opt.variables[19:])
     adam = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)

@@ -24,6 +24,7 @@ from keras_nanguard.safe_optimizer.counters import RECENT_STEPS
 REJECTED = "nanguard_rejected_steps"
 OVERFLOWS = "nanguard_loss_scale_steps"
 RECENT = "nanguard_recent_rejections"
+QUARANTINED = "nanguard_quarantined_samples"
 
 
 @dataclasses.dataclass
@@ -31,7 +32,7 @@ class Event:
     """Steps of an execution that need the training thread's attention: a
     run of rejected steps, or the whole execution."""
 
-    kind: str  # "bad_figures", "rejection" or "loss_spike"
+    kind: str  # "bad_figures", "rejection", "loss_spike" or "quarantine"
     epoch: int
     batch: int  # its first batch in the epoch
     step: int  # its first step in this fit
@@ -42,6 +43,8 @@ class Event:
     run: int = 0  # steps rejected in a row, up to its last one
     continues: bool = False  # the step before was bad too
     spike: Spike | None = None  # what a "loss_spike" event found
+    # A "quarantine" event's rows: `since` <= i < `until` of the total.
+    quarantined: tuple[int, int] | None = None
 
 
 class _Run(NamedTuple):
@@ -63,11 +66,13 @@ class BatchWatch:
         consecutive: int,
         spikes: LossSpikes | None = None,
         overflows: int = 0,
+        quarantined: int = 0,
     ) -> None:
         self.spikes = spikes  # loss-spike detection, when NaNGuard has it on
         self.rejected = rejected  # a SafeOptimizer's total, as last logged
         self.run = consecutive
         self.overflows = overflows  # the loss-scale overflow skips, likewise
+        self.quarantined = quarantined  # rows the quarantine left out, likewise
         self.counts_rejections = False  # the logs carry the exact total
         self.steps_done = 0  # steps seen in this fit
         self.events: list[Event] = []
@@ -109,6 +114,7 @@ class BatchWatch:
             if self.spikes is not None:
                 self.spikes.segment_reset()
         new, overflows = self._rejections(logs)
+        self._quarantined(first, steps, logs)
         if self.run_reset_at is not None and step >= self.run_reset_at:
             self.run, self.run_reset_at = 0, None
         # Overflow skips of a loss scaler are not trouble: the mask has 0 there.
@@ -221,6 +227,27 @@ class BatchWatch:
             overflows, self.overflows = overflowed - self.overflows, overflowed
         return new, overflows
 
+    def _quarantined(self, first: int, steps: int, logs: dict) -> None:
+        """Queues the rows the quarantine left out of the execution, if any
+        (its logs carry the total)."""
+        if QUARANTINED not in logs:
+            return
+        total = int(logs[QUARANTINED])
+        if total > self.quarantined:
+            self.events.append(
+                Event(
+                    "quarantine",
+                    self.epoch,
+                    first,
+                    self.base + first,
+                    steps,
+                    {},
+                    [],
+                    quarantined=(self.quarantined, total),
+                )
+            )
+        self.quarantined = total
+
     def _spiking(self, loss: float | None, step: int, steps: int) -> bool:
         """Feeds a healthy execution's loss to the loss-spike detector.
         True while a spike streak is open or confirmed: the execution is then
@@ -285,12 +312,12 @@ def watch_for_fit(
     """The batch-end side of one `fit`: it starts from the totals of the
     attached SafeOptimizer `safe` (one read per fit), with loss-spike
     detection when `spike_sigma` is set."""
-    rejected = consecutive = overflows = 0
+    rejected = consecutive = overflows = quarantined = 0
     if safe is not None:
         c = safe.counters()
         rejected, consecutive = c["skipped_steps"], c["consecutive_skips"]
-        overflows = c["loss_scale_steps"]
+        overflows, quarantined = c["loss_scale_steps"], c["quarantined_samples"]
     spikes = None
     if spike_sigma is not None:
         spikes = LossSpikes(spike_sigma, spike_window, spike_patience)
-    return BatchWatch(rejected, consecutive, spikes, overflows)
+    return BatchWatch(rejected, consecutive, spikes, overflows, quarantined)

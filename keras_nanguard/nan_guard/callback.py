@@ -18,6 +18,7 @@ import keras
 from keras_nanguard import snapshots
 from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import (
+    check_bool,
     check_choice,
     check_in,
     check_int,
@@ -25,7 +26,7 @@ from keras_nanguard._validation import (
     check_output_paths,
     check_positive,
 )
-from keras_nanguard.incidents import Incident, write_json
+from keras_nanguard.incidents import Incident, QuarantinedRow, write_json
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
 from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard import runs as _runs
@@ -110,6 +111,15 @@ class NaNGuard(keras.callbacks.Callback):
             diagnosed (see `keras_nanguard.diagnose`). Defaults to `None`.
         batch_size: int >= 1, the batch size of array `replay` data.
             Defaults to 32.
+        quarantine: bool: attach the SafeOptimizer with per-sample
+            quarantine (`SafeOptimizer.attach`), so that a bad row costs that
+            row, not the batch. The rows left out are in `guard.quarantined`
+            (with their `position` in the `replay` data when given), in an
+            incident of kind `"quarantined_samples"` per epoch and in the
+            report. `False` keeps the quarantine the optimizer was attached
+            with, if any. Defaults to `False`.
+        max_quarantine_fraction: float in (0, 1]: a batch with more bad rows
+            than this fraction is left whole (and rejected). Defaults to 0.5.
         verbose: 0 or 1: 1 tells each incident once its action is known, in
             a log line (logger `"keras_nanguard"`, level WARNING) that starts
             on a line of its own under `fit`'s progress bar. Whatever
@@ -150,6 +160,8 @@ class NaNGuard(keras.callbacks.Callback):
         report_path: str | os.PathLike | None = None,
         replay: Any = None,
         batch_size: int = 32,
+        quarantine: bool = False,
+        max_quarantine_fraction: float = 0.5,
         verbose: int = 1,
     ) -> None:
         super().__init__()
@@ -173,6 +185,10 @@ class NaNGuard(keras.callbacks.Callback):
         self.directory, self.report_path = check_output_paths(directory, report_path)
         self.replay = _replay.check(replay)
         self.batch_size = check_int("batch_size", batch_size, 1)
+        self.quarantine = check_bool("quarantine", quarantine)
+        self.max_quarantine_fraction = check_in(
+            "max_quarantine_fraction", max_quarantine_fraction, 0, 1, closed_high=True
+        )
         self.verbose = check_choice("verbose", verbose, (0, 1))
         # What outlives a fit: the incidents, the rollback point and the
         # counts, what has been told. `_turns`: the fit under way (or the last).
@@ -199,6 +215,12 @@ class NaNGuard(keras.callbacks.Callback):
     @incidents.setter
     def incidents(self, value: list[Incident]) -> None:
         self._log.incidents = value
+
+    @property
+    def quarantined(self) -> list[QuarantinedRow]:
+        """The rows the quarantine left out of their steps, in all fits, in
+        order (`quarantine=True`); see `QuarantinedRow`."""
+        return self._log.quarantined
 
     @property
     def rollbacks(self) -> int:
@@ -355,7 +377,10 @@ class NaNGuard(keras.callbacks.Callback):
         >>> ng.NaNGuard().report()["incidents"]
         []
         """
-        return telling.report(self.policy, self.rollbacks, self.incidents, self.runs)
+        out = telling.report(self.policy, self.rollbacks, self.incidents, self.runs)
+        if self.quarantine or self.quarantined:
+            out["quarantined"] = [r.to_dict() for r in self.quarantined]
+        return out
 
     def summary(self) -> str:
         """The incidents in words, one per line.

@@ -44,6 +44,8 @@ class Settings:
     directory: str | None = None
     replay: Any = None
     batch_size: int = 32
+    quarantine: bool = False
+    max_quarantine_fraction: float = 0.5
 
     @classmethod
     def of(cls, guard: object) -> Settings:
@@ -88,6 +90,9 @@ class FitState:
     restored_at: int = -1  # `now` when the rollback point was last restored
     discard_until: int | None = None  # `skip_batches`: restore again there
     stopping: bool = False  # trouble stopped training; undo what runs after
+    # The SafeOptimizer's `quarantine_steps` before this fit's first step
+    # (read at the first turn, after `BackupAndRestore` may have loaded it).
+    quarantine_base: int = 0
 
 
 def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
@@ -96,8 +101,22 @@ def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
     BatchNormalization statistics too), and its batch-end side started from
     the SafeOptimizer's totals (one read per fit)."""
     safe = snapshots.find_safe_optimizer(net.optimizer)
-    if safe is not None:
+    if settings.quarantine and safe is None:
+        raise ValueError(
+            "`NaNGuard(quarantine=True)` leaves bad rows out of the steps of a "
+            "SafeOptimizer: compile the model with one, e.g. "
+            "`optimizer=ng.SafeOptimizer(keras.optimizers.Adam())`. Received: "
+            f"model.optimizer={net.optimizer!r}"
+        )
+    if safe is not None and settings.quarantine:
+        safe.attach(
+            net,
+            quarantine=True,
+            max_quarantine_fraction=settings.max_quarantine_fraction,
+        )
+    elif safe is not None:  # a quarantine the user attached with is kept
         safe.attach(net)
+    if safe is not None:
         snapshots.sync_from_device(net)
     watch = watch_for_fit(
         safe,

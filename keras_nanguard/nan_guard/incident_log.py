@@ -8,7 +8,9 @@ one. Bookkeeping only: no model, no Keras (`Responses` makes the incidents).
 
 from __future__ import annotations
 
-from keras_nanguard.incidents import Incident
+from collections import Counter
+
+from keras_nanguard.incidents import Incident, QuarantinedRow
 from keras_nanguard.nan_guard.batch_watch import Event
 
 
@@ -26,9 +28,50 @@ class IncidentLog:
         # The open incident's rejected steps, and the words that count them
         # in its detail: (incident, count, words).
         self._rejections: tuple[Incident | None, int, str] = (None, 0, "")
+        # The epoch's quarantine incident and its count of rows (some may
+        # not be named: the optimizer's log keeps the last 512).
+        self._quarantine: tuple[Incident | None, int] = (None, 0)
 
     def begin_fit(self) -> None:
         self.open, self._rejections = None, (None, 0, "")
+        self._quarantine = (None, 0)
+
+    @property
+    def quarantined(self) -> list[QuarantinedRow]:
+        """Every row the quarantine left out, in all fits, in order."""
+        return [
+            row
+            for inc in self.incidents
+            if inc.kind == "quarantined_samples"
+            for row in inc.rows
+        ]
+
+    def quarantine(
+        self, ev: Event, fit: int, rows: list[QuarantinedRow], count: int
+    ) -> Incident:
+        """Adds `count` quarantined rows of the execution `ev`, `rows` of them
+        named, to the epoch's quarantine incident (made by the first)."""
+        inc, total = self._quarantine
+        if inc is None or inc.epoch != ev.epoch:
+            inc, total = (
+                Incident(
+                    fit=fit,
+                    epoch=ev.epoch,
+                    step=ev.step,
+                    batch=ev.batch,
+                    kind="quarantined_samples",
+                    detail="",
+                    action="left out of their steps",
+                ),
+                0,
+            )
+            self.incidents.append(inc)  # never an episode others continue
+        inc.rows += rows
+        inc.steps = ev.step + ev.steps - inc.step
+        total += count
+        self._quarantine = (inc, total)
+        inc.detail = quarantine_words(inc.rows, total)
+        return inc
 
     @property
     def last(self) -> Incident:
@@ -71,6 +114,31 @@ class IncidentLog:
         new = rejected_words(count, inc.step, inc.steps)
         inc.detail = inc.detail.replace(words, new, 1)
         self._rejections = (inc, count, new)
+
+
+def quarantine_words(rows: list[QuarantinedRow], count: int) -> str:
+    """A quarantine incident's detail: `count` rows, `rows` of them named.
+
+    Example:
+
+    >>> row = QuarantinedRow(0, 0, 4, 4, 7, ("non-finite input",), 135)
+    >>> quarantine_words([row], 1)
+    'the quarantine left 1 row out of its step (1 non-finite input): batch 4 row 7 (position 135).'
+    """
+    reasons = Counter(words for row in rows for words in row.reasons)
+    why = ", ".join(f"{n} {words}" for words, n in reasons.items())
+    steps = len({(row.fit, row.step) for row in rows})
+    where = "its step" if steps <= 1 else f"{steps} steps"
+    text = f"the quarantine left {count} row{'s' if count != 1 else ''} out of {where}"
+    text += f" ({why})" if why else ""
+    shown = [
+        f"batch {r.batch} row {r.row}"
+        + ("" if r.position is None else f" (position {r.position})")
+        for r in rows[:5]
+    ]
+    more = count - len(shown)
+    text += ": " + ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+    return text + "."
 
 
 def rejected_words(count: int, step: int, steps: int) -> str:

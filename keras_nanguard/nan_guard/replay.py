@@ -82,3 +82,34 @@ def _finite(item: Any) -> bool:
         if array.dtype.kind in "fc" and not np.isfinite(array).all():
             return False
     return True
+
+
+def positions(
+    data: Any, batch_size: int, rows: list[tuple[int, int]]
+) -> list[int | None]:
+    """The indices in `data` (read in order, as `batches` does) of the rows
+    `(batch, row)`; `None` without data or past its end. A PyDataset's
+    batches are taken to be as long as its first one, but for the last."""
+    if data is None:
+        return [None] * len(rows)
+    if isinstance(data, keras.utils.PyDataset):
+        count = len(data)
+        size = _rows(data[0]) if count else 0
+        last = _rows(data[count - 1]) if count else 0
+        return [
+            batch * size + row
+            if batch < count and row < (last if batch == count - 1 else size)
+            else None
+            for batch, row in rows
+        ]
+    x = data[0] if isinstance(data, tuple | list) else data
+    out: list[int | None] = []
+    for batch, row in rows:
+        index = batch * batch_size + row
+        out.append(index if row < batch_size and index < len(x) else None)
+    return out
+
+
+def _rows(item: Any) -> int:
+    """The rows of a batch: the length of its first array."""
+    return len(keras.tree.flatten(item)[0])

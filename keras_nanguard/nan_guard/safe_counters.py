@@ -20,4 +20,14 @@ class SafeCounters(Protocol):
 
     def describe_last_rejection(self) -> str: ...
 
-    def attach(self, model: keras.Model) -> None: ...
+    def attach(
+        self,
+        model: keras.Model,
+        *,
+        quarantine: bool | None = None,
+        max_quarantine_fraction: float = 0.5,
+    ) -> None: ...
+
+    def quarantined_rows(
+        self, since: int = 0, until: int | None = None
+    ) -> list[tuple[int, int, tuple[str, ...]]]: ...

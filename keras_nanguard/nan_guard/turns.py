@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_nanguard import snapshots
+from keras_nanguard.incidents import QuarantinedRow
+from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard.batch_watch import Event
 from keras_nanguard.nan_guard.figures import is_loss, nonfinite_validation
 from keras_nanguard.nan_guard.fit_state import FitState, Settings
@@ -72,6 +74,9 @@ class Turns:
             step_seconds = state.watch.step_seconds
         steps, state.seen = state.now - state.seen, state.now
         if not state.started and state.net.built:
+            if state.safe is not None and self.settings.quarantine:
+                snapshots.sync_from_device(state.net)
+                state.quarantine_base = int(state.safe.counters()["quarantine_steps"])
             self.snapshotter.start()
         # A healthy batch after the pending snapshot proves it, even if a
         # later one is bad: promote it before acting on that one.
@@ -122,6 +127,8 @@ class Turns:
             self._on_rejection(ev)
         elif ev.kind == "loss_spike":
             self._on_loss_spike(ev)
+        elif ev.kind == "quarantine":
+            self._on_quarantine(ev)
         elif ev.step >= self.state.resumed_at:  # else it ran on an undone state
             self._on_bad_figures(ev)
 
@@ -130,7 +137,8 @@ class Turns:
         snapshots.sync_from_device(net)
         variables = snapshots.nonfinite_names(net)
         if self.log.extend(ev):  # the same episode: is the state bad again?
-            inc = self.log.last
+            inc = self.log.open
+            assert inc is not None  # `extend` extends the open incident
             inc.variables = sorted(set(inc.variables) | set(variables))
         else:
             detail = _describe_logs(ev.logs, ev.bad_logs)
@@ -162,6 +170,27 @@ class Turns:
         self.responses.trouble()
         if self.settings.policy == "warn":  # training goes on as it is
             self.responses.reset_metrics(state.now)
+
+    def _on_quarantine(self, ev: Event) -> None:
+        """Rows the quarantine left out of the execution `ev`: named, and
+        added to the epoch's quarantine incident (never trouble)."""
+        state, safe = self.state, self.state.safe
+        assert safe is not None and ev.quarantined is not None
+        since, until = ev.quarantined
+        snapshots.sync_from_device(state.net)
+        named = []
+        for number, row, why in safe.quarantined_rows(since, until):
+            step = number - state.quarantine_base - 1  # this fit's step
+            named.append((step, ev.batch + (step - ev.step), row, why))
+        where = _replay.positions(
+            self.settings.replay, self.settings.batch_size, [n[1:3] for n in named]
+        )
+        rows = [
+            QuarantinedRow(state.fit, ev.epoch, step, batch, row, why, position)
+            for (step, batch, row, why), position in zip(named, where, strict=True)
+        ]
+        self.log.quarantine(ev, state.fit, rows, until - since)
+        self.responses.write_report()
 
     def _on_rejection(self, ev: Event) -> None:
         safe = self.state.safe

@@ -26,6 +26,8 @@ from keras_nanguard.safe_optimizer.settings import Settings
 
 # `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
 RECENT_STEPS = 30
+# `quarantine_log` names the last `QUARANTINE_LOG_ROWS` quarantined rows.
+QUARANTINE_LOG_ROWS = 512
 
 
 class Reason(enum.IntEnum):
@@ -40,14 +42,22 @@ class Reason(enum.IntEnum):
     LOSS = 5  # a loss scaler skipped it, the loss not finite
 
 
-def _counter(dtype: str, initial: float, doc: str, *, history: bool) -> dict:
+def _counter(
+    dtype: str, initial: float, doc: str, *, history: bool, shape: tuple = ()
+) -> dict:
     """A counter field's metadata: a scalar variable of `dtype` starting at
     `initial`, holding what `doc` says.
     A `history` counter is a report of what happened: NaNGuard's snapshots
     neither check it nor restore it (`last_grad_norm` is NaN after a NaN
     step, by design); the others (control state the step reads, and
     `accepted_grad_norm`, always finite) are restored with the model."""
-    return {"dtype": dtype, "initial": initial, "doc": doc, "history": history}
+    return {
+        "dtype": dtype,
+        "initial": initial,
+        "doc": doc,
+        "history": history,
+        "shape": shape,
+    }
 
 
 def _window(doc: str) -> dict:
@@ -198,6 +208,46 @@ class Counters:
             history=True,
         )
     )
+    quarantine_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Steps run with per-sample quarantine (`attach(model, "
+            "quarantine=True)`), a step's number in `quarantine_log`.",
+            history=True,
+        )
+    )
+    quarantined_samples: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Rows left out of their step by the quarantine, in total.",
+            history=True,
+        )
+    )
+    quarantine_limit_steps: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            0,
+            "Quarantined steps with more than `max_quarantine_fraction` of "
+            "the batch bad: left whole (and rejected as bad steps).",
+            history=True,
+        )
+    )
+    quarantine_log: keras.Variable = field(
+        metadata=_counter(
+            "int32",
+            -1,
+            f"The last {QUARANTINE_LOG_ROWS} quarantined rows, a ring buffer "
+            "(row `i` of the total at `i % QUARANTINE_LOG_ROWS`): the step's "
+            "number in `quarantine_steps`, and the row in the batch times 16 "
+            "plus its code (`quarantine.INPUT | TARGET | WEIGHT | LOSS` "
+            "bits); one more entry is scratch. Small: it is written at every "
+            "quarantined step.",
+            history=True,
+            shape=(QUARANTINE_LOG_ROWS + 1, 2),
+        )
+    )
     spike_norms: keras.Variable | None = field(
         default=None,
         metadata=_window("The spike window's ring buffer of gradient norms."),
@@ -221,7 +271,7 @@ class Counters:
         the spike window when `settings` has a `spike_factor`."""
         made = {
             f.name: optimizer.add_variable(
-                shape=(),
+                shape=f.metadata["shape"],
                 dtype=f.metadata["dtype"],
                 initializer=keras.initializers.Constant(f.metadata["initial"]),
                 aggregation="none",
@@ -371,6 +421,44 @@ class Counters:
             ops.where(skipped, float("nan"), self.rejected_grad_norm.value)
         )
 
+    def record_quarantine(self, codes: Any, over: Any) -> None:
+        """Counts a step of the quarantine (device writes only): `codes`, an
+        int32 code per row of the batch (0: healthy), `over` whether the bad
+        rows were too many to quarantine (none was then)."""
+        step = self.quarantine_steps.value + 1
+        self.quarantine_steps.assign(step)
+        self.quarantine_limit_steps.assign(
+            self.quarantine_limit_steps.value + _i32(over)
+        )
+        flags = ops.logical_and(codes > 0, ops.logical_not(over))
+        counts = ops.cumsum(_i32(flags))
+        total = self.quarantined_samples.value
+        size = QUARANTINE_LOG_ROWS
+        # Each quarantined row at its place in the ring, the others into the
+        # scratch row; steps of more than `size` bad rows keep some of them.
+        at = ops.where(flags, ops.mod(total + counts - 1, size), size)
+        rows = ops.arange(0, ops.shape(codes)[0], dtype="int32")
+        entries = ops.stack([ops.ones_like(rows) * step, rows * 16 + codes], axis=1)
+        self.quarantine_log.assign(
+            ops.scatter_update(
+                self.quarantine_log.value, ops.expand_dims(at, 1), entries
+            )
+        )
+        self.quarantined_samples.assign(total + ops.sum(_i32(flags)))
+
+    def quarantined_rows(
+        self, since: int, until: int, values: Sequence[Any] | None = None
+    ) -> list[tuple[int, int, int]]:
+        """The quarantined rows `since` <= i < `until` of the total (a host
+        read), as `(step, row, code)`: those still in the log."""
+        log = ops.convert_to_numpy(self._named(values)["quarantine_log"])
+        first = max(since, until - QUARANTINE_LOG_ROWS)
+        out = []
+        for i in range(first, until):
+            step, packed = (int(v) for v in log[i % QUARANTINE_LOG_ROWS])
+            out.append((step, packed // 16, packed % 16))
+        return out
+
     def window(self) -> tuple[keras.Variable, keras.Variable, keras.Variable]:
         """The spike window: norms, count, last spike (with `spike_factor`)."""
         norms, count, last = self.spike_norms, self.spike_count, self.last_spike
@@ -388,7 +476,7 @@ class Counters:
         """
         named = self._named(values)
         out: dict[str, float | int] = {}
-        for f in COUNTER_FIELDS:
+        for f in SCALAR_FIELDS:
             value = ops.convert_to_numpy(named[f.name])
             out[f.name] = (
                 float(value) if f.metadata["dtype"] == "float32" else int(value)
@@ -478,6 +566,7 @@ VARIABLE_FIELDS = tuple(
 )
 COUNTER_FIELDS = tuple(f for f in VARIABLE_FIELDS if "dtype" in f.metadata)
 COUNTER_NAMES = tuple(f.name for f in COUNTER_FIELDS)
+SCALAR_FIELDS = tuple(f for f in COUNTER_FIELDS if not f.metadata["shape"])
 WINDOW_NAMES = tuple(f.name for f in VARIABLE_FIELDS if "dtype" not in f.metadata)
 
 _FIXED_WORDS = {

@@ -23,6 +23,7 @@ from keras_nanguard.safe_optimizer.forward_state import (
     read,
     select,
 )
+from keras_nanguard.safe_optimizer.quarantine import Quarantine
 from keras_nanguard.safe_optimizer.settings import Settings
 
 
@@ -58,6 +59,8 @@ class ModelTransaction:
         self._warned_unattached = False
         # The (model, variables) pairs found to belong together.
         self._trained: set[tuple] = set()
+        # Per-sample quarantine of the attached model's steps, when asked for.
+        self.quarantine: Quarantine | None = None
 
     def saved_as_attached(self) -> bool:
         """What a saved config says: attached to a model at some point (or
@@ -65,8 +68,9 @@ class ModelTransaction:
         return self.expects_attach or self.attached
 
     # -------------------------------------------------------------- attach
-    def attach(self, model: keras.Model) -> None:
-        """Wraps `model.train_step` in a transaction (`SafeOptimizer.attach`)."""
+    def attach(self, model: keras.Model, quarantine: Quarantine | None = None) -> None:
+        """Wraps `model.train_step` in a transaction (`SafeOptimizer.attach`),
+        with per-sample `quarantine` if given (else none)."""
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "`model` must be a `keras.Model`. "
@@ -74,8 +78,16 @@ class ModelTransaction:
             )
         self._check_is_optimizer_of(model)
         step = model.train_step
-        if getattr(step, "_nanguard_optimizer", None) is self.optimizer:
+        attached = getattr(step, "_nanguard_optimizer", None) is self.optimizer
+        if attached and quarantine is self.quarantine:
             return
+        if self.quarantine is not None and self.quarantine is not quarantine:
+            self.quarantine.unwrap(model)
+        self.quarantine = quarantine
+        if quarantine is not None:
+            quarantine.wrap(model)
+        # A new step function, not the same one reading other settings: JAX
+        # would reuse what it compiled for the old one.
         original = getattr(step, "_nanguard_original", step)
         train_step = self._guarded_step(model, original)
         train_step._nanguard_optimizer = self.optimizer  # type: ignore[attr-defined]
@@ -89,6 +101,9 @@ class ModelTransaction:
         step: Any = getattr(model, "train_step", None)
         if getattr(step, "_nanguard_optimizer", None) is not self.optimizer:
             return
+        if self.quarantine is not None:
+            self.quarantine.unwrap(model)
+            self.quarantine = None
         original = step._nanguard_original
         if _is_class_step(model, original):
             del model.train_step  # the class's own step again
@@ -100,8 +115,8 @@ class ModelTransaction:
     def _guarded_step(self, model: keras.Model, original: Any) -> Callable[..., Any]:
         """The attached `train_step`: JAX's is stateless."""
         if backend.STATELESS_TRAIN_STEP:
-            return self._stateless_train_step(model, original)
-        return self._train_step(model, original)
+            return self._stateless_train_step(model, original, self.quarantine)
+        return self._train_step(model, original, self.quarantine)
 
     def _trains(self, model: keras.Model) -> bool:
         """Whether `model` is compiled with this optimizer (possibly inside
@@ -111,7 +126,9 @@ class ModelTransaction:
             optimizer = getattr(optimizer, "inner_optimizer", None)
         return optimizer is self.optimizer
 
-    def _train_step(self, model: keras.Model, original: Any) -> Callable[[Any], Any]:
+    def _train_step(
+        self, model: keras.Model, original: Any, quarantine: Quarantine | None
+    ) -> Callable[[Any], Any]:
         """The attached `train_step` of TensorFlow and torch."""
 
         def train_step(data: Any) -> Any:
@@ -119,20 +136,34 @@ class ModelTransaction:
                 return original(data)
             build_for(model, data)
             state = forward_state(model) + model.metrics_variables
+            tracker: list[Any] = []
+            if quarantine is not None:
+                data = quarantine.clean(data)
+                tracker = quarantine.loss_tracker(model)
+                tracked = read(tracker)
             # In `fit` a halt is NaNGuard's to act on (or warned at the
             # end), as in compiled steps: not raised from `apply`.
             self.in_fit = True
             try:
                 with self._guard(model, state) as step:
                     step.logs = original(data)
+                    if quarantine is not None:
+                        step.logs, codes, over = quarantine.end(step.logs)
+                        self.counters.record_quarantine(codes, over)
+                        now = [v.value for v in tracker]
+                        weighed = quarantine.weigh_loss(tracked, now, codes, over)
+                        for v, value in zip(tracker, weighed, strict=True):
+                            v.assign(value)
             finally:
                 self.in_fit = False
+                if quarantine is not None:
+                    quarantine.abandon()
             return self._step_logs(model, step.logs)
 
         return train_step
 
     def _stateless_train_step(
-        self, model: keras.Model, original: Any
+        self, model: keras.Model, original: Any, quarantine: Quarantine | None
     ) -> Callable[[Any, Any], Any]:
         """The attached `train_step` of JAX: Keras's stateless step, then a
         select of the state it returns."""
@@ -140,15 +171,28 @@ class ModelTransaction:
         def train_step(state: Any, data: Any) -> Any:
             if not self._trains(model):  # compiled with another optimizer
                 return original(state, data)
+            if quarantine is not None:
+                data = quarantine.clean(data)
             self.in_fit, self.model = True, model
             try:
                 logs, new_state = original(state, data)
+                if quarantine is not None:
+                    logs, codes, over = quarantine.end(logs)
             finally:
                 self.in_fit, self.model = False, None
+                if quarantine is not None:
+                    quarantine.abandon()
             trainable, non_trainable, optimizer_values, metrics = new_state
             accepted, optimizer_values = self._stateless_verdict(
                 model, state, optimizer_values, logs
             )
+            if quarantine is not None:
+                optimizer_values = self._stateless_quarantine(
+                    model, optimizer_values, codes, over
+                )
+                metrics = _weigh_stateless_loss(
+                    model, quarantine, state[3], metrics, codes, over
+                )
             non_trainable = select(accepted, state[1], non_trainable)
             metrics = select(accepted, state[3], metrics)
             mapping = list(zip(model.metrics_variables, metrics, strict=True))
@@ -179,6 +223,16 @@ class ModelTransaction:
             )
         optimizer_values = [scope.get_current_value(v) for v in variables]
         return ops.logical_and(accepted, ops.logical_not(skipped)), optimizer_values
+
+    def _stateless_quarantine(
+        self, model: keras.Model, optimizer_values: list[Any], codes: Any, over: Any
+    ) -> list[Any]:
+        """The optimizer values with the quarantine's counts of the step."""
+        variables = model.optimizer.variables
+        mapping = list(zip(variables, optimizer_values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.counters.record_quarantine(codes, over)
+        return [scope.get_current_value(v) for v in variables]
 
     # --------------------------------------------------- custom training
     def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
@@ -267,6 +321,8 @@ class ModelTransaction:
             figures["nanguard_spike_steps"] = c.spike_steps
         if loss_scaling.scalers(getattr(model, "optimizer", None), self.optimizer):
             figures["nanguard_loss_scale_steps"] = c.loss_scale_steps
+        if self.quarantine is not None:
+            figures["nanguard_quarantined_samples"] = c.quarantined_samples
         return figures
 
     def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:
@@ -350,6 +406,30 @@ class _Step:
     tells bad data from an overflow of loss-scaled gradients."""
 
     logs: Any = None
+
+
+def _weigh_stateless_loss(
+    model: keras.Model,
+    quarantine: Quarantine,
+    before: list[Any],
+    after: list[Any],
+    codes: Any,
+    over: Any,
+) -> list[Any]:
+    """A stateless step's metric values with the loss tracker counting the
+    healthy rows (`Quarantine.weigh_loss`); the logs are made of them."""
+    tracker = quarantine.loss_tracker(model)
+    if not tracker:
+        return after
+    index = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    where = [index[id(v)] for v in tracker]
+    weighed = quarantine.weigh_loss(
+        [before[i] for i in where], [after[i] for i in where], codes, over
+    )
+    after = list(after)
+    for i, value in zip(where, weighed, strict=True):
+        after[i] = value
+    return after
 
 
 def _values_of(values: list[Any], variables: list[Any], found: list[Any]) -> list:

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard._validation import check_bool, check_in, check_int
 from keras_nanguard.safe_optimizer import file_layouts as layouts
 from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.attributes import CounterAttribute, SettingAttribute
@@ -21,6 +22,11 @@ from keras_nanguard.safe_optimizer.counters import (
 )
 from keras_nanguard.safe_optimizer.inner import forwarded, refuse_unknown, resolve_inner
 from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
+from keras_nanguard.safe_optimizer.quarantine import (
+    Quarantine,
+    QuarantinedBatch,
+    reasons,
+)
 from keras_nanguard.safe_optimizer.settings import Settings
 from keras_nanguard.safe_optimizer.step import Transaction
 
@@ -148,6 +154,10 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     accepted_grad_norm = CounterAttribute(lambda c: c.accepted_grad_norm)
     spike_steps = CounterAttribute(lambda c: c.spike_steps)
     loss_scale_steps = CounterAttribute(lambda c: c.loss_scale_steps)
+    quarantine_steps = CounterAttribute(lambda c: c.quarantine_steps)
+    quarantined_samples = CounterAttribute(lambda c: c.quarantined_samples)
+    quarantine_limit_steps = CounterAttribute(lambda c: c.quarantine_limit_steps)
+    quarantine_log = CounterAttribute(lambda c: c.quarantine_log)
     recent_rejections = CounterAttribute(lambda c: c.recent_rejections)
     spike_norms = CounterAttribute(lambda c: c.spike_norms)
     spike_count = CounterAttribute(lambda c: c.spike_count)
@@ -190,6 +200,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self._counters = Counters.create(self, settings)
         self._transaction = Transaction(inner, self._counters, settings)
         self._model_transaction = ModelTransaction(self, self._counters, settings)
+        # A custom loop's batch under quarantine, counted by the next `apply`.
+        self._quarantined_batch: QuarantinedBatch | None = None
 
     def _configure(self, settings: Settings) -> None:
         """Hands `settings` to the optimizer and its parts."""
@@ -321,12 +333,29 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             )
         self._model_transaction.step_begins(variables)
         self._transaction.apply(grads, variables)
+        batch, self._quarantined_batch = self._quarantined_batch, None
+        if batch is not None:
+            self._count_quarantined(batch)
         if (
             self._settings.max_consecutive_skips is not None
             and not self._model_transaction.in_fit
             and step_ops.executing_eagerly(self._counters.consecutive_skips)
         ):
             self.check_halted()
+
+    def _count_quarantined(self, batch: QuarantinedBatch) -> None:
+        try:
+            self._counters.record_quarantine(batch.codes, batch.over)
+        except Exception as err:
+            if type(err).__name__ != "UnexpectedTracerError":
+                raise
+            raise ValueError(
+                "The quarantined batch's rows were last seen by `batch.loss` "
+                "under `jax.grad`, whose values cannot leave it: return "
+                "`batch.codes` from the loss function (as aux) and set "
+                "`batch.codes = codes` before `stateless_apply` (README, "
+                "'Per-sample quarantine')."
+            ) from err
 
     def _variables_to_update(
         self, trainable_variables: Sequence[keras.Variable] | None
@@ -348,7 +377,13 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         return variables
 
     # ------------------------------------------------------ the model's side
-    def attach(self, model: keras.Model) -> None:
+    def attach(
+        self,
+        model: keras.Model,
+        *,
+        quarantine: bool | None = None,
+        max_quarantine_fraction: float = 0.5,
+    ) -> None:
         """Ties this optimizer to `model`, so that in `model.fit`,
         `train_on_batch` and the like a rejected step also leaves the state
         the forward pass writes bit-identical: BatchNormalization statistics,
@@ -368,8 +403,27 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         a non-finite gradient, the loss scale kept), a finite one an
         overflow (`loss_scale_steps`, the scale halved as usual).
 
+        With `quarantine=True` a bad *row* costs that row, not the batch:
+        the rows whose inputs, targets or sample weight hold a NaN or inf,
+        and the rows whose own loss is not finite (`log(0)` for that
+        sample), are left out of the step, on the device: the update is the
+        one on the batch without them (the loss is the mean over the healthy
+        rows), and the metrics leave them out too. `quarantined_samples`
+        counts them and `quarantine_log` names the last ones (`NaNGuard`
+        reports them). With more than `max_quarantine_fraction` of the batch
+        bad the step is left whole and rejected as before (a broken
+        pipeline, not bad rows). Layers that mix the rows of a batch
+        (BatchNormalization's batch statistics) see each bad row replaced by
+        a copy of a healthy one. The README's "Per-sample quarantine" says
+        what it covers.
+
         Args:
             model: the `keras.Model` this optimizer trains.
+            quarantine: bool, leave bad rows out of each step instead of
+                rejecting the batch; `None` keeps what an earlier `attach`
+                chose (off the first time). Defaults to `None`.
+            max_quarantine_fraction: float in (0, 1]: a batch with more bad
+                rows than this fraction is left whole. Defaults to 0.5.
 
         Example:
 
@@ -383,8 +437,25 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         >>> _ = model.fit(x, np.ones((4, 1)), verbose=0)
         >>> model.layers[0].moving_mean.numpy().tolist()   # untouched
         [0.0, 0.0]
+        >>> opt.attach(model, quarantine=True)        # one bad row of 4
+        >>> x[1:] = 1.0
+        >>> _ = model.fit(x, np.ones((4, 1)), verbose=0)
+        >>> int(opt.quarantined_samples), int(opt.skipped_steps)
+        (1, 1)
         """
-        self._model_transaction.attach(model)
+        fraction = check_in(
+            "max_quarantine_fraction", max_quarantine_fraction, 0, 1, closed_high=True
+        )
+        current = self._model_transaction.quarantine
+        if quarantine is None:
+            chosen = current
+        elif not check_bool("quarantine", quarantine):
+            chosen = None
+        elif current is not None and current.max_fraction == fraction:
+            chosen = current
+        else:
+            chosen = Quarantine(fraction)
+        self._model_transaction.attach(model, chosen)
 
     def detach(self, model: keras.Model) -> None:
         """Undoes `attach`: `model.train_step` is Keras's (or yours) again.
@@ -493,6 +564,93 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         0
         """
         return self._counters.read(self._own_values(optimizer_variables))
+
+    def quarantine(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        max_quarantine_fraction: float = 0.5,
+    ) -> QuarantinedBatch:
+        """A custom loop's batch under per-sample quarantine (what
+        `attach(model, quarantine=True)` does in `fit`).
+
+        Its `x`, `y` and `sample_weight` have each row with a NaN or inf
+        replaced by a healthy row's values; train the model on them, take
+        the loss with `batch.loss(loss_fn, y_pred)`, which leaves those rows
+        out and the rows whose own loss is not finite too (the mean is over
+        the healthy rows), and this optimizer's next `apply` counts the rows
+        (`quarantined_samples`, `quarantined_rows()`). With more than
+        `max_quarantine_fraction` of the rows bad the batch is left whole
+        and the step is rejected. In a JAX stateless loop, return
+        `batch.codes` from under `jax.grad` and set it on the batch before
+        `stateless_apply` (the README shows the three loops).
+
+        Args:
+            x: the batch's inputs (a tensor or a structure of tensors).
+            y: its targets. Defaults to `None`.
+            sample_weight: its sample weights. Defaults to `None`.
+            max_quarantine_fraction: float in (0, 1]. Defaults to 0.5.
+
+        Returns:
+            A `QuarantinedBatch`.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> x = ng.faults.poison(np.ones((4, 2), "float32"), rows=[1])
+        >>> batch = opt.quarantine(x, np.ones((4, 1), "float32"))
+        >>> loss = batch.loss("mse", model(batch.x))  # inside your tape
+        >>> bool(np.isfinite(keras.ops.convert_to_numpy(loss)))
+        True
+        """
+        fraction = check_in(
+            "max_quarantine_fraction", max_quarantine_fraction, 0, 1, closed_high=True
+        )
+        batch = QuarantinedBatch(x, y, sample_weight, fraction)
+        self._quarantined_batch = batch
+        return batch
+
+    def quarantined_rows(
+        self,
+        since: int = 0,
+        until: int | None = None,
+        optimizer_variables: Sequence[Any] | None = None,
+    ) -> list[tuple[int, int, tuple[str, ...]]]:
+        """The rows the quarantine left out (`attach(model, quarantine=True)`),
+        numbered `since` <= i < `until` in the order they were (`until`: by
+        default `quarantined_samples`), as `(step, row, reasons)`: the step's
+        number in `quarantine_steps` (1 for the first quarantined step), the
+        row in its batch, and why. Only the last 512 are kept.
+
+        Args:
+            since: int >= 0, the first row wanted. Defaults to 0.
+            until: the row after the last one wanted. Defaults to all.
+            optimizer_variables: as for `counters`.
+
+        Example:
+
+        >>> import numpy as np, keras, keras_nanguard as ng
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> opt.attach(model, quarantine=True)
+        >>> x = ng.faults.poison(np.ones((4, 2)), rows=[2])
+        >>> _ = model.train_on_batch(x, np.ones((4, 1)))
+        >>> opt.quarantined_rows()
+        [(1, 2, ('non-finite input',))]
+        """
+        since = check_int("since", since, 0)
+        values = self._own_values(optimizer_variables)
+        total = int(self._counters.read(values)["quarantined_samples"])
+        until = total if until is None else min(check_int("until", until, 0), total)
+        return [
+            (step, row, tuple(reasons(code)))
+            for step, row, code in self._counters.quarantined_rows(since, until, values)
+        ]
 
     def describe_last_rejection(
         self, optimizer_variables: Sequence[Any] | None = None
