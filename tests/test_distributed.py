@@ -137,6 +137,30 @@ def test_a_fault_on_one_replica_is_rejected_by_every_replica(strategy):
     assert all_finite(model.weights)
 
 
+def test_quarantine_counts_and_names_the_rows_of_every_replica(strategy):
+    """Bad rows on both replicas' shards: every replica leaves them out and
+    agrees; each row is counted once, by its place in the global batch."""
+    x, y = _data()
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2))
+    model = _model(opt)
+    opt.attach(model, quarantine=True)
+    bad = [2, 12, 37]  # replica 0 of batch 0, replica 1 of batches 0 and 2
+    model.fit(ng.faults.poison(x, rows=bad), y, batch_size=16, shuffle=False, verbose=0)
+    _assert_replicas_agree(_state(model))
+    assert all_finite(model.weights)
+    c = opt.counters()
+    assert (c["quarantined_samples"], c["skipped_steps"], c["quarantine_steps"]) == (
+        3,
+        0,
+        3,
+    )
+    assert [(step, row) for step, row, _ in opt.quarantined_rows()] == [
+        (1, 2),
+        (1, 12),
+        (3, 5),
+    ]
+
+
 def test_fit_with_a_poisoned_shard_and_nan_guard_rollback(strategy):
     x, y = _data()
     y_bad = ng.faults.poison(y, rows=[28])  # batch 1, second replica's half

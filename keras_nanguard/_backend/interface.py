@@ -108,6 +108,14 @@ class Backend(Protocol):
         `tf.distribute`, once in cross-replica context)."""
         ...
 
+    def record_rows(
+        self, record: Callable[[Tensor, Tensor], None], codes: Tensor, over: Tensor
+    ) -> None:
+        """Calls `record(codes, over)` once for the step: under
+        `tf.distribute`, once in cross-replica context, with every
+        replica's rows in replica order (`over` then one per row)."""
+        ...
+
     def no_grad(self) -> contextlib.AbstractContextManager:
         """A context in which an optimizer update records no gradient."""
         ...

@@ -25,6 +25,7 @@ REUSES_DEVICE_BUFFERS = False
 frozen = common.no_frozen
 restore_unless = common.restore_by_assign
 run_step = common.plain_step
+record_rows = common.record_rows
 
 
 def host_view(value: Tensor) -> np.ndarray:

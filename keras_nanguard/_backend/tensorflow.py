@@ -88,6 +88,26 @@ def no_grad() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:
+    """`record_rows` under `tf.distribute`: the replicas' rows, in replica
+    order, recorded once in cross-replica context (mirrored writes)."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or not tf.distribute.has_strategy():
+        record(codes, over)
+        return
+
+    def cross_replica(distribution: Any, codes: Any, over: Any) -> None:
+        parts = distribution.experimental_local_results(codes)
+        limits = distribution.experimental_local_results(over)
+        rows = [
+            tf.fill(tf.shape(c), tf.reshape(o, ()))
+            for c, o in zip(parts, limits, strict=True)
+        ]
+        record(tf.concat(parts, 0), tf.concat(rows, 0))
+
+    ctx.merge_call(cross_replica, args=(codes, over))
+
+
 def run_step(
     run: Callable[..., None],
     inner: keras.optimizers.Optimizer,

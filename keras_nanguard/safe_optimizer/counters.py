@@ -424,11 +424,13 @@ class Counters:
     def record_quarantine(self, codes: Any, over: Any) -> None:
         """Counts a step of the quarantine (device writes only): `codes`, an
         int32 code per row of the batch (0: healthy), `over` whether the bad
-        rows were too many to quarantine (none was then)."""
+        rows were too many to quarantine (none was then): a bool, or one per
+        row (the replicas of a `tf.distribute` step decide each on its own
+        rows)."""
         step = self.quarantine_steps.value + 1
         self.quarantine_steps.assign(step)
         self.quarantine_limit_steps.assign(
-            self.quarantine_limit_steps.value + _i32(over)
+            self.quarantine_limit_steps.value + _i32(ops.any(over))
         )
         flags = ops.logical_and(codes > 0, ops.logical_not(over))
         counts = ops.cumsum(_i32(flags))

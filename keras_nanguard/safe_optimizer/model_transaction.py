@@ -149,7 +149,9 @@ class ModelTransaction:
                     step.logs = original(data)
                     if quarantine is not None:
                         step.logs, codes, over = quarantine.end(step.logs)
-                        self.counters.record_quarantine(codes, over)
+                        backend.record_rows(
+                            self.counters.record_quarantine, codes, over
+                        )
                         now = [v.value for v in tracker]
                         weighed = quarantine.weigh_loss(tracked, now, codes, over)
                         for v, value in zip(tracker, weighed, strict=True):

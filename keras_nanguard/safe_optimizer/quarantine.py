@@ -27,6 +27,7 @@ logs under `CODES` for the counters (`Counters.record_quarantine`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,17 @@ class Quarantine:
 
     def __init__(self, max_fraction: float) -> None:
         self.max_fraction = max_fraction
-        self._rows: _Rows | None = None  # set for the length of a step
+        # The step under way, per thread: `tf.distribute` runs a step's
+        # replicas in threads of their own.
+        self._local = threading.local()
+
+    @property
+    def _rows(self) -> _Rows | None:
+        return getattr(self._local, "rows", None)
+
+    @_rows.setter
+    def _rows(self, rows: _Rows | None) -> None:
+        self._local.rows = rows
 
     # ------------------------------------------------------------ the data
     def clean(self, data: Any) -> Any:
