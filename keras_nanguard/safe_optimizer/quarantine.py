@@ -202,14 +202,9 @@ class Quarantine:
             if rows is None:
                 return original(x, y, y_pred, sample_weight)
             codes, over = self._codes(model, y, y_pred)
-            keep = ops.logical_or(codes == 0, over)
-            healthy = _first(codes == 0)
-            by_loss = ops.logical_and(_loss_bad(codes), ~over)
-            y = keras.tree.map_structure(lambda t: _replace(t, by_loss, healthy), y)
-            y_pred = keras.tree.map_structure(
-                lambda t: _replace(t, by_loss, healthy), y_pred
+            y, y_pred, sample_weight = _without_bad_rows(
+                codes, over, y, y_pred, sample_weight, to_healthy_mean=False
             )
-            sample_weight = _weights(sample_weight, keep, None)
             logs = original(x, y, y_pred, sample_weight)
             if isinstance(logs, dict):
                 logs = {**logs, CODES: codes, OVER: over}
@@ -243,20 +238,9 @@ class Quarantine:
             rows = self._rows
             assert rows is not None
             rows.with_loss = (codes, over)
-        bad = codes > 0
-        healthy = _first(~bad)
-        by_loss = ops.logical_and(_loss_bad(codes), ~over)
-        y = keras.tree.map_structure(lambda t: _replace(t, by_loss, healthy), y)
-        y_pred = keras.tree.map_structure(
-            lambda t: _replace(t, by_loss, healthy, stop=True), y_pred
+        return _without_bad_rows(
+            codes, over, y, y_pred, sample_weight, to_healthy_mean=_scales(model)
         )
-        keep = ops.logical_or(~bad, over)
-        scale = None
-        if _scales(model):
-            size = ops.cast(ops.shape(bad)[0], "float32")
-            kept = size - ops.sum(ops.cast(bad, "float32"))
-            scale = ops.where(over, 1.0, size / ops.maximum(kept, 1.0))
-        return y, y_pred, _weights(sample_weight, keep, scale)
 
 
 # ---------------------------------------------------------------- the rows
@@ -290,6 +274,37 @@ def clean_rows(
             sample_weight,
         )
     return x, y, sample_weight, codes
+
+
+def _without_bad_rows(
+    codes: Any,
+    over: Any,
+    y: Any,
+    y_pred: Any,
+    sample_weight: Any,
+    *,
+    to_healthy_mean: bool,
+) -> tuple[Any, Any, Any]:
+    """A loss's or the metrics' arguments without the bad rows (`codes` > 0),
+    unless they are `over` the limit: the rows whose own loss is not finite
+    get the first healthy row's target and prediction (no gradient through
+    it), every bad row the weight 0, and with `to_healthy_mean` the healthy
+    rows' weights are scaled by batch / healthy (a loss that divides by the
+    batch then divides by the healthy count)."""
+    bad = codes > 0
+    healthy = _first(~bad)
+    by_loss = ops.logical_and(_loss_bad(codes), ~over)
+    y = keras.tree.map_structure(lambda t: _replace(t, by_loss, healthy), y)
+    y_pred = keras.tree.map_structure(
+        lambda t: _replace(t, by_loss, healthy, stop=True), y_pred
+    )
+    keep = ops.logical_or(~bad, over)
+    scale = None
+    if to_healthy_mean:
+        size = ops.cast(ops.shape(bad)[0], "float32")
+        kept = size - ops.sum(ops.cast(bad, "float32"))
+        scale = ops.where(over, 1.0, size / ops.maximum(kept, 1.0))
+    return y, y_pred, _weights(sample_weight, keep, scale)
 
 
 def too_many(bad: Any, max_fraction: float) -> Any:
@@ -346,18 +361,15 @@ class QuarantinedBatch:
         values = per_sample(self.y, y_pred)
         loss_bad = ops.logical_and(_bad_rows(values), self.codes == 0)
         self.codes = self.codes + LOSS * ops.cast(loss_bad, "int32")
-        bad, over = self.codes > 0, self.over
-        healthy = _first(~bad)
-        by_loss = ops.logical_and(loss_bad, ~over)
-        y = keras.tree.map_structure(lambda t: _replace(t, by_loss, healthy), self.y)
-        y_pred = _replace(y_pred, by_loss, healthy, stop=True)
-        keep = ops.logical_or(~bad, over)
-        scale = None
-        if loss.reduction in _SCALED:
-            size = ops.cast(ops.shape(bad)[0], "float32")
-            kept = size - ops.sum(ops.cast(bad, "float32"))
-            scale = ops.where(over, 1.0, size / ops.maximum(kept, 1.0))
-        return loss(y, y_pred, sample_weight=_weights(self.sample_weight, keep, scale))
+        y, y_pred, weights = _without_bad_rows(
+            self.codes,
+            self.over,
+            self.y,
+            y_pred,
+            self.sample_weight,
+            to_healthy_mean=loss.reduction in _SCALED,
+        )
+        return loss(y, y_pred, sample_weight=weights)
 
 
 def _as_loss(loss_fn: Any) -> keras.losses.Loss:
