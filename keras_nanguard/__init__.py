@@ -17,6 +17,9 @@ Public names (everything else is private):
 - `ops`: small numerics (`safe_log`, `safe_div`, `safe_sqrt`, `safe_norm`,
   `stable_log_softmax`, `policy_log_prob`, `global_norm`, `all_finite`).
 - `faults`: fault injection for tests, notebooks and drills.
+- `explain(record_or_optimizer_or_guard)` -> `RunDiagnosis`: why a run
+  diverged (or is about to), from SafeOptimizer's flight recorder (a cause
+  from `RUN_CAUSES`, its onset, the evidence); `FlightRecord` is the record.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -24,9 +27,12 @@ from importlib.metadata import PackageNotFoundError, version
 from keras_nanguard import faults, ops
 from keras_nanguard.diagnosis import CAUSES, Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
+from keras_nanguard.flight import RUN_CAUSES, RunDiagnosis
 from keras_nanguard.incidents import Incident, QuarantinedRow
 from keras_nanguard.nan_guard import NaNGuard
+from keras_nanguard.run_diagnosis import explain
 from keras_nanguard.safe_optimizer import SafeOptimizer
+from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 from keras_nanguard.stable_softmax import StableSoftmax
 
 try:  # the one version source is pyproject.toml
@@ -36,15 +42,19 @@ except PackageNotFoundError:  # imported from a source tree, not installed
 
 __all__ = [
     "CAUSES",
+    "RUN_CAUSES",
     "Diagnosis",
+    "FlightRecord",
     "Incident",
     "NaNGuard",
     "NonFiniteError",
     "QuarantinedRow",
+    "RunDiagnosis",
     "SafeOptimizer",
     "StableSoftmax",
     "__version__",
     "diagnose",
+    "explain",
     "faults",
     "ops",
 ]

@@ -62,15 +62,23 @@ def norm_and_finite(tensors: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
         `(norm, finite)`: a float32 scalar (NaN or inf when an entry is), and
         a bool vector with one entry per non-`None` tensor.
     """
+    norm, finite, _ = norms_and_finite(tensors)
+    return norm, finite
+
+
+def norms_and_finite(tensors: Sequence[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+    """`norm_and_finite`, and each tensor's float32 sum of squares (inf
+    where it overflows), from the same pass."""
     values = present(tensors)
     if not values:
-        return ops.convert_to_tensor(0.0, "float32"), ops.ones((0,), "bool")
+        zero = ops.convert_to_tensor(0.0, "float32")
+        return zero, ops.ones((0,), "bool"), ops.zeros((0,), "float32")
     sq, sq_tiny = _sums_of_squares(values)
     total = ops.sum(sq)
     norm = ops.where(
         ops.isfinite(total), ops.sqrt(total), _HUGE * ops.sqrt(ops.sum(sq_tiny))
     )
-    return norm, ops.isfinite(sq_tiny)
+    return norm, ops.isfinite(sq_tiny), sq
 
 
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:

@@ -24,6 +24,8 @@ KINDS: dict[str, str] = {
     "weights are finite: never trouble",
     "quarantined_samples": "rows of the data were left out of their steps "
     "(`quarantine=True`): never trouble",
+    "divergence_warning": "the flight recorder predicts that the run will "
+    "diverge, before anything is non-finite (`early_warning`): never trouble",
 }
 
 

@@ -78,9 +78,10 @@ def unchecked(model: keras.Model) -> set[int]:
 def _reports(optimizer: Any) -> set[int]:
     # SafeOptimizer's report values (a NaN gradient norm, ...) are not state.
     safe = find_safe_optimizer(optimizer)
-    return (
-        set() if safe is None else {id(v) for v in safe._counters.history_variables()}
-    )
+    if safe is None:
+        return set()
+    reports = safe._counters.history_variables() + safe._recorder.variables()
+    return {id(v) for v in reports}
 
 
 def optimizer_state(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:

@@ -8,6 +8,8 @@ import pytest
 import keras_nanguard as ng
 from keras_nanguard.safe_optimizer.counters import COUNTER_NAMES, WINDOW_NAMES
 
+FLIGHT_NAMES = ["flight_steps", "flight_probes", "flight_ring", "flight_history"]
+
 
 def test_each_counter_on_the_optimizer_is_its_variable_in_order():
     opt = ng.SafeOptimizer(keras.optimizers.Adam(0.1), spike_factor=10.0)
@@ -16,10 +18,13 @@ def test_each_counter_on_the_optimizer_is_its_variable_in_order():
     own = opt.variables[: len(names)]
     assert [id(getattr(opt, name)) for name in names] == [id(v) for v in own]
     assert [v.name for v in own] == list(names)
-    # Then the inner optimizer's, and nothing twice.
-    rest = opt.variables[len(names) :]
+    # Then the flight recorder's (made by `build`), the inner optimizer's,
+    # and nothing twice.
+    recorder = opt.variables[len(names) : len(names) + 4]
+    assert [v.name for v in recorder] == FLIGHT_NAMES
+    rest = opt.variables[len(names) + 4 :]
     assert [id(v) for v in rest] == [id(v) for v in opt.inner_optimizer.variables]
-    assert len({id(v) for v in opt.variables}) == len(opt.variables) == 26
+    assert len({id(v) for v in opt.variables}) == len(opt.variables) == 30
 
 
 def test_without_spike_factor_there_is_no_window():

@@ -187,7 +187,16 @@ def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     ]
     assert [int(v) for v in numpy(opt.variables[15:18])] == [0, 0, 0]
     assert (numpy(opt.variables[18:19])[0] == -1).all()
-    loaded = numpy(opt.variables[19:])
+    # New since too: the flight recorder's, empty.
+    assert names[19:23] == [
+        "flight_steps",
+        "flight_probes",
+        "flight_ring",
+        "flight_history",
+    ]
+    assert [int(v) for v in numpy(opt.variables[19:21])] == [0, 0]
+    assert all(np.isnan(v).all() for v in numpy(opt.variables[21:23]))
+    loaded = numpy(opt.variables[23:])
     adam = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)

@@ -211,8 +211,8 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     # variables new since take their initial values.
     saved = expected[n:]
     # The two counters, the quarantine's three and its log, the window's
-    # `last_spike`: new since.
-    assert len(opt.variables) == len(saved) + 2 + 4 + 1
+    # `last_spike`, the flight recorder's four: new since.
+    assert len(opt.variables) == len(saved) + 2 + 4 + 1 + 4
     names = [v.name for v in opt.variables]
     assert names[13:19] == [
         "loss_scale_steps",
@@ -229,7 +229,11 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     # and torch: the same value in the backend's dtype.
     # The window's `last_spike` (new since) starts at zeros.
     np.testing.assert_array_equal(numpy([opt.last_spike])[0], np.zeros(2, "float32"))
-    loaded = numpy([v for v in opt.variables[19:] if v.name != "last_spike"])
+    flight = {"flight_steps", "flight_probes", "flight_ring", "flight_history"}
+    assert [int(v) for v in numpy(opt.variables[22:24])] == [0, 0]  # after the window
+    loaded = numpy(
+        [v for v in opt.variables[19:] if v.name not in flight | {"last_spike"}]
+    )
     saved = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)

@@ -26,6 +26,7 @@ from keras_nanguard._validation import (
     check_output_paths,
     check_positive,
 )
+from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.incidents import Incident, QuarantinedRow, write_json
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
 from keras_nanguard.nan_guard import replay as _replay
@@ -33,9 +34,11 @@ from keras_nanguard.nan_guard import runs as _runs
 from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
 from keras_nanguard.nan_guard import telling
 from keras_nanguard.nan_guard.fit_state import Settings, start_fit
+from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
 from keras_nanguard.nan_guard.turns import Turns
+from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 # A batch end waits at most this long for the one before it (Keras's worker
@@ -120,6 +123,15 @@ class NaNGuard(keras.callbacks.Callback):
             with, if any. Defaults to `False`.
         max_quarantine_fraction: float in (0, 1]: a batch with more bad rows
             than this fraction is left whole (and rejected). Defaults to 0.5.
+        early_warning: `True`, `False` or `"act"`. `True` reads the
+            SafeOptimizer's flight recorder as training goes (at steps 1, 2,
+            4, 8, then every `probe_every` steps: one host read each) and
+            records an incident of kind `"divergence_warning"` (its cause and
+            evidence, never trouble) as soon as the trajectory predicts that
+            the run will diverge, before anything is non-finite; once per
+            fit. `"act"`, with `policy="rollback"`, also lowers the learning
+            rate by `lr_factor` then. `explain()` gives the run's diagnosis
+            whatever this is. Defaults to `True`.
         verbose: 0 or 1: 1 tells each incident once its action is known, in
             a log line (logger `"keras_nanguard"`, level WARNING) that starts
             on a line of its own under `fit`'s progress bar. Whatever
@@ -162,6 +174,7 @@ class NaNGuard(keras.callbacks.Callback):
         batch_size: int = 32,
         quarantine: bool = False,
         max_quarantine_fraction: float = 0.5,
+        early_warning: bool | str = True,
         verbose: int = 1,
     ) -> None:
         super().__init__()
@@ -189,12 +202,20 @@ class NaNGuard(keras.callbacks.Callback):
         self.max_quarantine_fraction = check_in(
             "max_quarantine_fraction", max_quarantine_fraction, 0, 1, closed_high=True
         )
+        if not (isinstance(early_warning, bool) or early_warning == "act"):
+            raise ValueError(
+                "`early_warning` must be True (record a `divergence_warning` "
+                "incident), False (none) or 'act' (also lower the learning "
+                f"rate, with policy='rollback'). Received: early_warning={early_warning!r}"
+            )
+        self.early_warning = early_warning
         self.verbose = check_choice("verbose", verbose, (0, 1))
         # What outlives a fit: the incidents, the rollback point and the
         # counts, what has been told. `_turns`: the fit under way (or the last).
         self._log = IncidentLog()
         self._keeper = SnapshotKeeper()
         self._teller = telling.Teller()
+        self._flight = FlightWatch()  # the flight recorder's record, all fits
         self._turns: Turns | None = None
         self._fits = 0
         # Its copies (KerasTuner makes one per trial), or what it is a copy of.
@@ -267,7 +288,13 @@ class NaNGuard(keras.callbacks.Callback):
         # a callback's `on_train_begin` (`BackupAndRestore`) may still load
         # the state training really starts from, whatever the order.
         self._turns = Turns.for_fit(
-            settings, state, self._log, self._keeper, self.report, self._write_report
+            settings,
+            state,
+            self._log,
+            self._keeper,
+            self.report,
+            self._write_report,
+            self._flight,
         )
 
     def _current(self) -> Turns:
@@ -380,7 +407,32 @@ class NaNGuard(keras.callbacks.Callback):
         out = telling.report(self.policy, self.rollbacks, self.incidents, self.runs)
         if self.quarantine or self.quarantined:
             out["quarantined"] = [r.to_dict() for r in self.quarantined]
+        if self._flight.record is not None and len(self._flight.record):
+            out["run_diagnosis"] = self._flight.explain().to_dict()
         return out
+
+    @property
+    def flight_record(self) -> FlightRecord | None:
+        """What NaNGuard read of its SafeOptimizer's flight recorder, over
+        all its fits (None before any); see `FlightRecord`."""
+        return self._flight.record
+
+    def explain(self) -> RunDiagnosis:
+        """Why the run diverged, or is about to (`RunDiagnosis`), from the
+        SafeOptimizer's flight recorder; reads it once more first. Works
+        after a `fit` that raised `NonFiniteError` too. Never changes the
+        model or the optimizer.
+
+        Example:
+
+        >>> import keras_nanguard as ng
+        >>> ng.NaNGuard().explain().cause
+        'healthy'
+        """
+        turns = self._turns
+        if turns is not None and turns.state.safe is not None:
+            self._flight.read(turns.state)
+        return self._flight.explain()
 
     def summary(self) -> str:
         """The incidents in words, one per line.
@@ -391,7 +443,10 @@ class NaNGuard(keras.callbacks.Callback):
         >>> ng.NaNGuard().summary()
         'NaNGuard: no incidents.'
         """
-        return telling.summary(self.incidents, self.rollbacks, self.runs)
+        text = telling.summary(self.incidents, self.rollbacks, self.runs)
+        if self._flight.record is None or not len(self._flight.record):
+            return text
+        return text + "\n" + str(self._flight.explain())
 
     # ------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict[int, Any]) -> NaNGuard:

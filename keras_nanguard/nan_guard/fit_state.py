@@ -46,6 +46,7 @@ class Settings:
     batch_size: int = 32
     quarantine: bool = False
     max_quarantine_fraction: float = 0.5
+    early_warning: bool | str = True
 
     @classmethod
     def of(cls, guard: object) -> Settings:

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from keras_nanguard import snapshots
 from keras_nanguard.errors import NonFiniteError
+from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.incidents import Incident, diagnose_batch
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
 from keras_nanguard.nan_guard import replay as _replay
@@ -85,6 +86,28 @@ class Responses:
             snapshots.sync_from_device(state.net)
             diagnose_batch(inc, state.net)
         self.write_report()  # told once its action is known (`telling`)
+
+    def divergence_warning(self, found: RunDiagnosis) -> None:
+        """Records the early warning `found` (never trouble); with
+        `early_warning="act"` under `policy="rollback"` it lowers the
+        learning rate by `lr_factor` now, before anything is non-finite."""
+        detail = f"{found.cause} predicted"
+        if found.onset_step is not None:
+            detail += f" (onset at optimizer step {found.onset_step})"
+        detail += ": " + " ".join(found.evidence)
+        self.record(None, "divergence_warning", detail, [])
+        inc = self.log.last
+        inc.diagnosis = found
+        inc.action = "warned"
+        if self.settings.early_warning != "act" or self.settings.policy != "rollback":
+            return
+        optimizer = self.state.net.optimizer
+        lr = _learning_rate.lower(optimizer, self.settings.lr_factor)
+        if lr is not None:
+            inc.learning_rate = lr
+            inc.action = f"lowered the learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
+        else:
+            inc.action = "warned" + _learning_rate.not_lowered(optimizer)
 
     def trouble(self) -> None:
         """Acts on the newest incident, which is trouble."""

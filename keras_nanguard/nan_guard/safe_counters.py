@@ -9,6 +9,8 @@ from typing import Protocol
 
 import keras
 
+from keras_nanguard.safe_optimizer.flight_record import FlightRecord
+
 
 class SafeCounters(Protocol):
     @property
@@ -19,6 +21,10 @@ class SafeCounters(Protocol):
         ...
 
     def describe_last_rejection(self) -> str: ...
+
+    def flight_record(self) -> FlightRecord:
+        """The flight recorder's rows (a host read)."""
+        ...
 
     def attach(
         self,

@@ -25,6 +25,7 @@ from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard.batch_watch import Event
 from keras_nanguard.nan_guard.figures import is_loss, nonfinite_validation
 from keras_nanguard.nan_guard.fit_state import FitState, Settings
+from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog, rejected_words
 from keras_nanguard.nan_guard.responses import Responses
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
@@ -43,9 +44,12 @@ class Turns:
         log: IncidentLog,
         snapshotter: Snapshotter,
         responses: Responses,
+        flight: FlightWatch | None = None,
     ) -> None:
         self.settings, self.state, self.log = settings, state, log
         self.snapshotter, self.responses = snapshotter, responses
+        self.flight = flight if flight is not None else FlightWatch()
+        self.flight.begin_fit(state)
 
     @classmethod
     def for_fit(
@@ -56,6 +60,7 @@ class Turns:
         keeper: SnapshotKeeper,
         report: Callable[[], dict[str, Any]],
         write_report: Callable[[], None],
+        flight: FlightWatch | None = None,
     ) -> Turns:
         """The turns of a fit, with the parts they act through (see
         `Responses` for `report` and `write_report`)."""
@@ -63,7 +68,7 @@ class Turns:
         responses = Responses(
             settings, state, log, keeper, snapshotter, report, write_report
         )
-        return cls(settings, state, log, snapshotter, responses)
+        return cls(settings, state, log, snapshotter, responses, flight)
 
     def take(self, snapshot: bool) -> None:
         """One turn; with `snapshot`, a due snapshot is taken too."""
@@ -86,6 +91,9 @@ class Turns:
         if state.stopping or self._discarding():
             return
         self.poll_counters(steps, step_seconds, force=False)
+        self.watch_flight(force=False)
+        if state.stopping:
+            return
         if snapshot and state.started and not events and not state.stopping:
             with state.lock:
                 clean = state.watch.leave_out_until <= state.now
@@ -251,6 +259,18 @@ class Turns:
             )
             self._on_rejection(ev)
 
+    def watch_flight(self, force: bool) -> None:
+        """Reads the flight recorder when due (or forced), and gives the early
+        warning when the record predicts trouble."""
+        flight = self.flight
+        if not (force or flight.due(self.state)):
+            return
+        flight.read(self.state)
+        if self.settings.early_warning:
+            found = flight.warning()
+            if found is not None:
+                self.responses.divergence_warning(found)
+
     # ------------------------------------------------------------ epoch's end
     def end_epoch(self, epoch: int, logs: dict[str, Any]) -> bool:
         """After the epoch's last turn: undoes the step that ran after a
@@ -265,6 +285,7 @@ class Turns:
         if not state.started:  # no batch in this epoch built the model
             return False
         self.poll_counters(0, None, force=True)
+        self.watch_flight(force=True)
         bad: list[str] = []  # else the state is the snapshot's, or checked now
         if not state.stopping and state.restored_at != state.now:
             bad = self.snapshotter.take_at_epoch_end(epoch)

@@ -29,18 +29,24 @@ def upgrade(
     window: int,
     inner: int,
     initial: list[Any],
+    recorder: int = 0,
 ) -> Any:
     """`store` in today's layout: `counters` counters, a spike window of
-    `window` variables (0.2 saved the first `WINDOW_0_2` of them), `inner`
-    variables of the inner optimizer; `initial` holds today's counter and
-    window values, for what the file lacks."""
+    `window` variables (0.2 saved the first `WINDOW_0_2` of them), the
+    flight recorder's `recorder` variables (0.1 and 0.2 had none), `inner`
+    variables of the inner optimizer; `initial` holds today's counter,
+    window and recorder values, for what the file lacks."""
     keys = len(store.keys())
     window_0_2 = min(window, WINDOW_0_2)  # none without spike skipping
     if keys == 2 + COUNTERS_0_1 + inner and np.asarray(store["1"]).dtype.kind == "f":
         # 0.1: the second dead variable is a float learning rate, where
         # today's second entry is an int counter; no spike window then.
         first, saved, saved_window = 2, COUNTERS_0_1, 0
-    elif keys == COUNTERS_0_2 + window_0_2 + inner != counters + window + inner:
+    elif (
+        keys
+        == COUNTERS_0_2 + window_0_2 + inner
+        != (counters + window + recorder + inner)
+    ):
         first, saved, saved_window = 0, COUNTERS_0_2, window_0_2
     else:
         return store  # today's layout (or a mismatch Keras reports)

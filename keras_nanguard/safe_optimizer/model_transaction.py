@@ -16,7 +16,9 @@ from keras import ops
 
 from keras_nanguard._backend import current as backend
 from keras_nanguard.safe_optimizer import loss_scaling, step_ops
+from keras_nanguard.safe_optimizer import observer as observing
 from keras_nanguard.safe_optimizer.counters import Counters
+from keras_nanguard.safe_optimizer.flight_recorder import FlightRecorder
 from keras_nanguard.safe_optimizer.forward_state import (
     build_for,
     forward_state,
@@ -45,10 +47,13 @@ class ModelTransaction:
         optimizer: keras.optimizers.Optimizer,
         counters: Counters,
         settings: Settings,
+        recorder: FlightRecorder | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.counters = counters
         self.settings = settings
+        self.recorder = recorder
+        self.observer = observing.StepObserver()
         self.applied = False  # set by `step_begins`, so a guard can tell one ran
         self.in_fit = False  # inside an attached `fit` step
         # The model of the transaction a step runs in (`None` outside one).
@@ -81,11 +86,13 @@ class ModelTransaction:
         attached = getattr(step, "_nanguard_optimizer", None) is self.optimizer
         if attached and quarantine is self.quarantine:
             return
+        self.observer.unwrap(model)  # outermost: off before the quarantine's
         if self.quarantine is not None and self.quarantine is not quarantine:
             self.quarantine.unwrap(model)
         self.quarantine = quarantine
         if quarantine is not None:
             quarantine.wrap(model)
+        self.observer.wrap(model)
         # A new step function, not the same one reading other settings: JAX
         # would reuse what it compiled for the old one.
         original = getattr(step, "_nanguard_original", step)
@@ -101,6 +108,7 @@ class ModelTransaction:
         step: Any = getattr(model, "train_step", None)
         if getattr(step, "_nanguard_optimizer", None) is not self.optimizer:
             return
+        self.observer.unwrap(model)
         if self.quarantine is not None:
             self.quarantine.unwrap(model)
             self.quarantine = None
@@ -136,17 +144,18 @@ class ModelTransaction:
                 return original(data)
             build_for(model, data)
             state = forward_state(model) + model.metrics_variables
-            tracker: list[Any] = []
             if quarantine is not None:
                 data = quarantine.clean(data)
-                tracker = quarantine.loss_tracker(model)
-                tracked = read(tracker)
+            tracker = observing.loss_tracker(model)
+            tracked = read(tracker)
             # In `fit` a halt is NaNGuard's to act on (or warned at the
             # end), as in compiled steps: not raised from `apply`.
             self.in_fit = True
+            self.observer.begin()
             try:
                 with self._guard(model, state) as step:
                     step.logs = original(data)
+                    self._observe(data, tracked, [v.value for v in tracker])
                     if quarantine is not None:
                         step.logs, codes, over = quarantine.end(step.logs)
                         backend.record_rows(
@@ -158,6 +167,7 @@ class ModelTransaction:
                             v.assign(value)
             finally:
                 self.in_fit = False
+                self.observer.end()
                 if quarantine is not None:
                     quarantine.abandon()
             return self._step_logs(model, step.logs)
@@ -176,15 +186,20 @@ class ModelTransaction:
             if quarantine is not None:
                 data = quarantine.clean(data)
             self.in_fit, self.model = True, model
+            self.observer.begin()
             try:
                 logs, new_state = original(state, data)
                 if quarantine is not None:
                     logs, codes, over = quarantine.end(logs)
             finally:
                 self.in_fit, self.model = False, None
+                outputs = self.observer.end()
                 if quarantine is not None:
                     quarantine.abandon()
             trainable, non_trainable, optimizer_values, metrics = new_state
+            optimizer_values = self._stateless_observe(
+                model, optimizer_values, data, outputs, state[3], metrics
+            )
             accepted, optimizer_values = self._stateless_verdict(
                 model, state, optimizer_values, logs
             )
@@ -225,6 +240,41 @@ class ModelTransaction:
             )
         optimizer_values = [scope.get_current_value(v) for v in variables]
         return ops.logical_and(accepted, ops.logical_not(skipped)), optimizer_values
+
+    def _observe(self, data: Any, before: list[Any], after: list[Any]) -> None:
+        """Hands the step's loss, inputs and outputs to the flight recorder."""
+        outputs = self.observer.outputs()
+        if self.recorder is not None:
+            self.recorder.observe(
+                loss=observing.step_loss(before, after),
+                inputs=observing.inputs_of(data),
+                outputs=outputs,
+            )
+
+    def _stateless_observe(
+        self,
+        model: keras.Model,
+        optimizer_values: list[Any],
+        data: Any,
+        outputs: Any,
+        metrics_before: list[Any],
+        metrics_after: list[Any],
+    ) -> list[Any]:
+        """The optimizer values with the batch's figures recorded."""
+        if self.recorder is None:
+            return optimizer_values
+        index = {id(v): i for i, v in enumerate(model.metrics_variables)}
+        where = [index[id(v)] for v in observing.loss_tracker(model)]
+        loss = observing.step_loss(
+            [metrics_before[i] for i in where], [metrics_after[i] for i in where]
+        )
+        variables = model.optimizer.variables
+        mapping = list(zip(variables, optimizer_values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.recorder.observe(
+                loss=loss, inputs=observing.inputs_of(data), outputs=outputs
+            )
+        return [scope.get_current_value(v) for v in variables]
 
     def _stateless_quarantine(
         self, model: keras.Model, optimizer_values: list[Any], codes: Any, over: Any

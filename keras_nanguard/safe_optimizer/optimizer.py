@@ -20,6 +20,8 @@ from keras_nanguard.safe_optimizer.counters import (
     Counters,
     variable_names,
 )
+from keras_nanguard.safe_optimizer.flight_record import FlightRecord
+from keras_nanguard.safe_optimizer.flight_recorder import PROBE_EVERY, FlightRecorder
 from keras_nanguard.safe_optimizer.inner import forwarded, refuse_unknown, resolve_inner
 from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
 from keras_nanguard.safe_optimizer.quarantine import (
@@ -101,6 +103,15 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             Defaults to `None`.
         spike_window: int >= 2. Steps in the spike statistics (accepted ones
             and spikes). Defaults to 128.
+        probe_every: int >= 1. The flight recorder's cadence: one step in
+            this many also records the weight and update norms per layer,
+            the optimizer state's smallest denominator and the batch's input
+            and output figures (the other steps record the loss and the
+            gradient norms only). Read it with `flight_record()`; NaNGuard's
+            `explain()` and early warning read it. Defaults to 16.
+        flight_recorder: bool. `False` records nothing (no recorder
+            variables, no work in the step; `flight_record()` is empty).
+            Defaults to `True`.
         name: the optimizer's name. Defaults to an automatic name.
 
     Example:
@@ -174,6 +185,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         max_consecutive_skips: int | None = None,
         spike_factor: float | None = None,
         spike_window: int = 128,
+        probe_every: int = PROBE_EVERY,
+        flight_recorder: bool = True,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -198,8 +211,13 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         # the counters' variables are tracked by `add_variable`).
         self._settings = settings
         self._counters = Counters.create(self, settings)
-        self._transaction = Transaction(inner, self._counters, settings)
-        self._model_transaction = ModelTransaction(self, self._counters, settings)
+        self._recorder = FlightRecorder(check_int("probe_every", probe_every, 1))
+        self._recording = check_bool("flight_recorder", flight_recorder)
+        recorder = self._recorder if self._recording else None
+        self._transaction = Transaction(inner, self._counters, settings, recorder)
+        self._model_transaction = ModelTransaction(
+            self, self._counters, settings, recorder
+        )
         # A custom loop's batch under quarantine, counted by the next `apply`.
         self._quarantined_batch: QuarantinedBatch | None = None
 
@@ -214,6 +232,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         var_list = list(var_list)
         self._transaction.build(var_list)  # the inner optimizer's build too
+        if self._recording and self._recorder.ring is None:  # after the window
+            self._recorder.build(self, var_list)
         # Not super().build(): it reads the forwarded `use_ema` and
         # `gradient_accumulation_steps` and would make a second set of
         # averages and accumulators. Set untracked, as the base class does:
@@ -264,7 +284,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             layouts.upgrade(
                 store,
                 counters=len(COUNTER_NAMES),
-                window=len(self._variables) - len(COUNTER_NAMES),
+                window=len(self._counters.variables()) - len(COUNTER_NAMES),
+                recorder=len(self._recorder.variables()),
                 inner=len(self.inner_optimizer.variables),
                 initial=[v.numpy() for v in self._variables],
             )
@@ -614,6 +635,52 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self._quarantined_batch = batch
         return batch
 
+    def flight_record(self) -> FlightRecord:
+        """The flight recorder's rows (reads them from the device): the last
+        `RING_STEPS` steps, and the probe rows of the last `HISTORY_PROBES`
+        probes (see `FlightRecord`). `ng.explain(record)` reads a diagnosis
+        from it. In a JAX `fit`, read it after `fit` or through NaNGuard,
+        which sees the values `fit` holds.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build([keras.Variable([1.0])])
+        >>> opt.apply([keras.ops.ones(1)])
+        >>> opt.flight_record().column("grad_norm").tolist()
+        [1.0]
+        """
+        recorder = self._recorder
+        record = FlightRecord.empty(
+            recorder.columns, recorder.layers, recorder.recurrent
+        )
+        if recorder.ring is not None:
+            record.add_read(recorder.read())
+        return record
+
+    def observe(
+        self, *, loss: Any = None, inputs: Any = None, outputs: Any = None
+    ) -> None:
+        """Hands a custom loop's batch to the flight recorder, after `apply`:
+        its `loss` on every step, its `inputs` and the model's `outputs` on
+        probe steps (`probe_every`). A `fit` step of an attached model does
+        this itself. TensorFlow and torch; in a JAX stateless loop the
+        recorder records the optimizer's figures only.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        >>> opt.build([keras.Variable([1.0])])
+        >>> opt.apply([keras.ops.ones(1)])
+        >>> opt.observe(loss=keras.ops.convert_to_tensor(0.5))
+        >>> opt.flight_record().column("loss").tolist()
+        [0.5]
+        """
+        if self._recording:
+            self._recorder.observe(loss=loss, inputs=inputs, outputs=outputs)
+
     def quarantined_rows(
         self,
         since: int = 0,
@@ -725,6 +792,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             "max_consecutive_skips": settings.max_consecutive_skips,
             "spike_factor": settings.spike_factor,
             "spike_window": settings.spike_window,
+            "probe_every": self._recorder.probe_every,
+            "flight_recorder": self._recording,
         }
 
     @classmethod

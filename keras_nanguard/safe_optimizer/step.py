@@ -22,6 +22,7 @@ from keras_nanguard._backend import current as backend
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.counters import Counters, StepOutcome
+from keras_nanguard.safe_optimizer.flight_recorder import FlightRecorder
 from keras_nanguard.safe_optimizer.settings import Settings
 
 # Clips a gradient list: its clipped copy.
@@ -52,11 +53,16 @@ class Transaction:
     """
 
     def __init__(
-        self, inner: keras.optimizers.Optimizer, counters: Counters, settings: Settings
+        self,
+        inner: keras.optimizers.Optimizer,
+        counters: Counters,
+        settings: Settings,
+        recorder: FlightRecorder | None = None,
     ) -> None:
         self.inner = inner
         self.counters = counters
         self.settings = settings
+        self.recorder = recorder
         self._plans: dict[tuple, Plan] = {}
         # Tensors the step reuses, made once per call shape (torch: index
         # tables, rollback buffers; see `_backend`). Plain dicts here: as
@@ -129,7 +135,9 @@ class Transaction:
         own).
         """
         plan = self.plan(grads, variables)
-        norm, grad_finite = kernels.norm_and_finite([grads[i] for i in plan.checked])
+        norm, grad_finite, grad_sq = kernels.norms_and_finite(
+            [grads[i] for i in plan.checked]
+        )
         grads_ok = ops.all(grad_finite)
         # With gradient accumulation the applied gradient is the accumulated
         # one, which the inner optimizer clips itself (see `_inner_settings`).
@@ -142,18 +150,37 @@ class Transaction:
         backup = step_ops.snapshot(
             plan.state, backend.rollback_buffers(plan.state, self._buffers)
         )
+        learning_rate = self._rate()
+        (iterations,) = step_ops.snapshot([self.inner.iterations])
         with self._inner_settings(accumulating):
             self._update(update, clip)
         new_finite = kernels.finite_flags([plan.state[j] for j in plan.floats])
         update_ok = ops.all(new_finite)
         ok, spike, spike_figures = self._verdict(norm, grads_ok, update_ok)
-        step_ops.restore_unless(ok, plan.state, backup)
         bad_index = self._bad_index(plan, grads_ok, grad_finite, new_finite)
-        self.counters.record_step(
-            StepOutcome(
-                ok, grads_ok, update_ok, norm, bad_index, clipped, spike, spike_figures
-            )
+        outcome = StepOutcome(
+            ok, grads_ok, update_ok, norm, bad_index, clipped, spike, spike_figures
         )
+        if self.recorder is not None:  # before the restore: the new values
+            self.recorder.record(
+                inner=self.inner,
+                outcome=outcome,
+                grads_sq=grad_sq,
+                checked=[variables[i] for i in plan.checked],
+                variables=variables,
+                old=backup[: len(variables)],
+                learning_rate=learning_rate,
+                iterations=iterations,
+            )
+        step_ops.restore_unless(ok, plan.state, backup)
+        self.counters.record_step(outcome)
+
+    def _rate(self) -> Any:
+        """The learning rate this step runs at (backed off by `lr_scale`)."""
+        rate = ops.cast(self.inner.learning_rate, "float32")
+        if self.settings.lr_backoff is None:
+            return rate
+        return rate * ops.cast(self.counters.lr_scale.value, "float32")
 
     def _bad_index(
         self, plan: Plan, grads_ok: Any, grad_finite: Any, new_finite: Any

@@ -1,0 +1,17 @@
+"""Why did this run diverge: the run-level diagnosis and the early warning,
+read from SafeOptimizer's flight recorder.
+
+- `reading`: `explain(record)` -> `RunDiagnosis`, `warning(record)`, the
+  vocabulary `RUN_CAUSES` and what to do about each (`HINTS`).
+- `corpus`: the runs with known fates `explain` is measured on.
+"""
+
+from keras_nanguard.flight.reading import (
+    HINTS,
+    RUN_CAUSES,
+    RunDiagnosis,
+    explain,
+    warning,
+)
+
+__all__ = ["HINTS", "RUN_CAUSES", "RunDiagnosis", "explain", "warning"]

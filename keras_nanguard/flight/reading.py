@@ -1,0 +1,489 @@
+"""Why a run diverged, from its flight record: `explain` and `warning`.
+
+Each cause of `RUN_CAUSES` has a decisive signal, an *onset* threshold (where
+the signal has begun to drift) and a *warning* threshold (where the run is
+predicted to fail). `explain` names the cause of a run that went wrong (a
+rejected step), or whose trajectory predicts it will; `warning` is the same
+reading made during training, on what has been recorded so far, before any
+step went wrong. Both are pure functions of the record: they never touch the
+model or the optimizer.
+
+The thresholds, and why (healthy runs of the corpus in brackets):
+
+- update-to-weight ratio (largest over the layers, at probes): onset 0.05,
+  warning when 2 of the last 3 probes are above 0.05 [healthy: <= 0.03];
+- the optimizer's smallest denominator `sqrt(v) + epsilon`: onset 1e-9,
+  warning 1e-12 [healthy: >= epsilon, 1e-7 for Keras's Adam];
+- the smallest probability of a softmax output: onset 1e-10, warning 1e-14
+  (float32's `exp` underflows to exactly 0 near 1e-45) [healthy: >= 1e-8];
+- the largest input magnitude: unnormalised at 50 and above (a warning
+  with a gradient norm of 100 or more, or a high update ratio);
+- the output's magnitude over the input's at the first probe: 100 and above
+  is a net that amplifies its input layer by layer [healthy: <= 10];
+- a recurrent kernel's gradient norm: the largest block's, and 4 times its
+  median so far;
+- the gradient norm of the last steps at 1000 times its median: an explosion
+  under way, whatever the cause [healthy loss spike: 15x].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from keras_nanguard.safe_optimizer.flight_record import FlightRecord
+
+#: The run-level causes `explain` names: cause -> what it means.
+RUN_CAUSES: dict[str, str] = {
+    "learning_rate_too_high": (
+        "the updates are too large for the weights: the update-to-weight "
+        "ratio climbed (a warm-up or schedule too high, a rate that does not "
+        "fit the model)"
+    ),
+    "bad_data": (
+        "a few batches with non-finite or outlying values in an otherwise healthy run"
+    ),
+    "input_scale": "the inputs are not normalised (values of 50 and more)",
+    "activation_growth": (
+        "the initialisation or the activation lets values grow layer by layer: "
+        "the model's outputs are far larger than its inputs from the start"
+    ),
+    "policy_collapse": (
+        "a softmax saturates: some probabilities reach exactly 0, and log(0) is -inf"
+    ),
+    "optimizer_state": (
+        "an optimizer state variable drifted to an extreme: a second moment "
+        "far below epsilon makes the update m / (sqrt(v) + epsilon) overflow"
+    ),
+    "exploding_recurrence": (
+        "gradients grow through time in a recurrent layer: its recurrent "
+        "kernel's gradient dominates and climbs"
+    ),
+    "unknown": "the run went wrong, and no recorded signal explains it",
+    "healthy": "nothing is wrong",
+}
+
+HINTS: dict[str, list[str]] = {
+    "learning_rate_too_high": [
+        "Lower the learning rate (or the warm-up's peak) 3-10x; the update-to-"
+        "weight ratio should stay near 1e-3.",
+        "Clip gradients: SafeOptimizer(..., clipnorm=1.0).",
+        "Or let SafeOptimizer back off: SafeOptimizer(..., lr_backoff=0.5).",
+    ],
+    "bad_data": [
+        "Find the bad rows (NaNGuard(replay=...) names the batch; "
+        "NaNGuard(quarantine=True) leaves them out and lists them).",
+        "Validate the input pipeline: drop or impute non-finite values.",
+    ],
+    "input_scale": [
+        "Normalise the inputs (keras.layers.Normalization, or scale pixels to [0, 1]).",
+        "Until then, a much lower learning rate.",
+    ],
+    "activation_growth": [
+        "Use an initialisation that fits the activation (He for ReLU: "
+        "kernel_initializer='he_normal'), or smaller weights.",
+        "Add normalisation (BatchNormalization, LayerNormalization) between layers.",
+    ],
+    "policy_collapse": [
+        "Compute log-probabilities stably: ng.StableSoftmax(log=True) or "
+        "ng.ops.stable_log_softmax on the logits, never log(softmax(x)).",
+        "Add an entropy bonus to the loss, normalise the advantages, cap the "
+        "logits (ng.StableSoftmax(soft_cap=30.0)).",
+    ],
+    "optimizer_state": [
+        "Keep the optimizer's epsilon at its default (1e-7) or larger; "
+        "epsilon=0 divides by sqrt(v), which decays to 0 for a parameter "
+        "whose gradient stays 0.",
+        "A larger beta_2 (0.999) makes the second moment decay slower.",
+    ],
+    "exploding_recurrence": [
+        "Clip gradients (SafeOptimizer(..., clipnorm=1.0)); a gated cell "
+        "(LSTM, GRU) or an orthogonal recurrent initialisation with gain < 1.",
+        "Shorter sequences (truncated backpropagation through time).",
+    ],
+    "unknown": [
+        "Run ng.diagnose(model, x, y) on the batch that failed (NaNGuard("
+        "replay=...) keeps it): it names the layer and the cause.",
+    ],
+    "healthy": [],
+}
+
+RATIO_ONSET = 0.05
+STATE_ONSET, STATE_WARN = 1e-9, 1e-12
+PROB_ONSET, PROB_WARN = 1e-10, 1e-14
+INPUT_UNNORMALISED = 50.0
+LARGE_GRADIENT = 100.0
+AMPLIFICATION = 100.0
+RECURRENT_GROWTH = 4.0
+EXPLOSION = 1000.0
+REASONS = {1: "a non-finite gradient", 2: "a non-finite update", 3: "a spike"}
+
+
+@dataclasses.dataclass
+class RunDiagnosis:
+    """Why a run diverged (or is about to), from its recorded trajectory.
+
+    Attributes:
+        cause: a `RUN_CAUSES` name.
+        onset_step: the optimizer step where the decisive signal began to
+            drift (None for a healthy run).
+        first_bad_step: the first rejected step (None if none).
+        lead_steps: `first_bad_step - onset_step` (None unless both).
+        evidence: the signal's values, in words to check against the curves.
+        hints: what to change.
+        signal: the column the evidence is read from.
+        at_step: the last optimizer step recorded when it was made.
+    """
+
+    cause: str
+    onset_step: int | None = None
+    first_bad_step: int | None = None
+    lead_steps: int | None = None
+    evidence: list[str] = dataclasses.field(default_factory=list)
+    hints: list[str] = dataclasses.field(default_factory=list)
+    signal: str | None = None
+    at_step: int | None = None
+
+    def __str__(self) -> str:
+        lines = [f"Run diagnosis: {self.cause} ({RUN_CAUSES[self.cause]})."]
+        if self.first_bad_step is not None:
+            lines.append(f"  First bad step: {self.first_bad_step}.")
+        if self.onset_step is not None:
+            lead = (
+                "" if self.lead_steps is None else f", {self.lead_steps} steps before"
+            )
+            lines.append(f"  Onset: step {self.onset_step}{lead}.")
+        lines += [f"  - {e}" for e in self.evidence]
+        if self.hints:
+            lines.append("  What to do:")
+            lines += [f"  - {h}" for h in self.hints]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------- the signals
+@dataclasses.dataclass
+class _Signals:
+    """The record's signals, as the rules read them."""
+
+    record: FlightRecord
+    steps: np.ndarray
+    probe_steps: np.ndarray
+    ratio: np.ndarray  # per probe: the largest update-to-weight ratio
+    ratio_block: np.ndarray  # per probe: the block it is of
+    state: np.ndarray
+    min_prob: np.ndarray
+    entropy: np.ndarray
+    inputs: np.ndarray
+    outputs: np.ndarray
+    grad: np.ndarray
+    blocks: np.ndarray  # per step: the gradient norm of each block
+
+    @classmethod
+    def of(cls, record: FlightRecord) -> _Signals:
+        probes = record.probes()
+        with np.errstate(all="ignore"):
+            ratios = probes.block("update_norm") / probes.block("weight_norm")
+        ratios = np.where(np.isfinite(ratios), ratios, -1.0)
+        best = ratios.argmax(axis=1) if ratios.size else np.zeros(0, int)
+        top = ratios.max(axis=1) if ratios.size else np.zeros(0)
+        return cls(
+            record=record,
+            steps=record.column("step"),
+            probe_steps=probes.column("step"),
+            ratio=np.where(top < 0, np.nan, top),
+            ratio_block=best,
+            state=probes.column("state_min"),
+            min_prob=probes.column("min_prob"),
+            entropy=probes.column("entropy"),
+            inputs=probes.column("input_max"),
+            outputs=probes.column("output_max"),
+            grad=record.column("grad_norm"),
+            blocks=record.block("grad_norm"),
+        )
+
+
+def _first(steps: np.ndarray, flags: np.ndarray) -> int | None:
+    hits = np.flatnonzero(flags)
+    return int(steps[hits[0]]) if len(hits) else None
+
+
+def _g(x: float) -> str:
+    return "nan" if not math.isfinite(x) else f"{x:.3g}"
+
+
+# ----------------------------------------------------------------- the rules
+# Each rule reads the signals before the first bad step and returns
+# (onset_step, evidence, signal) when its cause fits, else None; `warn` says
+# whether only the warning thresholds count (the run has not failed yet).
+def _optimizer_state(s: _Signals, warn: bool) -> tuple | None:
+    v = s.state
+    if not np.isfinite(v).any():
+        return None
+    low = v < (STATE_WARN if warn else STATE_ONSET)
+    # Large updates from a tiny denominator are this cause, not the rate.
+    tiny_and_large = (v < STATE_ONSET) & (np.nan_to_num(s.ratio) > RATIO_ONSET)
+    if not (low.any() or (warn and tiny_and_large.any())):
+        return None
+    onset = _first(s.probe_steps, v < STATE_ONSET)
+    first = v[np.isfinite(v)][0]
+    return (
+        onset,
+        [
+            "The optimizer's smallest second-moment denominator sqrt(v) + "
+            f"epsilon fell from {_g(first)} (step {int(s.probe_steps[0])}) to "
+            f"{_g(v[-1])} (step {int(s.probe_steps[-1])}): an update "
+            "m / (sqrt(v) + epsilon) that large a multiplier overflows."
+        ],
+        "state_min",
+    )
+
+
+def _policy_collapse(s: _Signals, warn: bool) -> tuple | None:
+    p = s.min_prob
+    if not np.isfinite(p).any():
+        return None
+    low = p < (PROB_WARN if warn else PROB_ONSET)
+    if not low.any():
+        return None
+    onset = _first(s.probe_steps, p < PROB_ONSET)
+    finite = np.isfinite(p)
+    h = s.entropy[np.isfinite(s.entropy)]
+    entropy = "" if not len(h) else f"; the mean entropy from {_g(h[0])} to {_g(h[-1])}"
+    return (
+        onset,
+        [
+            f"The smallest softmax probability fell from {_g(p[finite][0])} to "
+            f"{_g(p[finite][-1])} (step {int(s.probe_steps[finite][-1])}){entropy}: "
+            "the policy is saturating to exact 0/1."
+        ],
+        "min_prob",
+    )
+
+
+def _input_scale(s: _Signals, warn: bool) -> tuple | None:
+    x = s.inputs
+    big = x >= INPUT_UNNORMALISED
+    if not big.any():
+        return None
+    if warn and not (
+        _exploding(s)
+        or (np.nan_to_num(s.ratio) > RATIO_ONSET).any()
+        or np.nanmax(s.grad, initial=0.0) >= LARGE_GRADIENT
+    ):
+        return None
+    onset = _first(s.probe_steps, big)
+    return (
+        onset,
+        [
+            f"The inputs reach {_g(np.nanmax(x))} in magnitude (from step "
+            f"{onset}): not normalised; the gradient norm was "
+            f"{_g(s.grad[0])} at step {int(s.steps[0])}."
+        ],
+        "input_max",
+    )
+
+
+def _activation_growth(s: _Signals, warn: bool) -> tuple | None:
+    if not len(s.probe_steps):
+        return None
+    out, inp = s.outputs[0], s.inputs[0]
+    if not (math.isfinite(out) and math.isfinite(inp)):
+        return None
+    gain = out / max(inp, 1.0)
+    if gain < AMPLIFICATION:
+        return None
+    return (
+        int(s.probe_steps[0]),
+        [
+            f"At step {int(s.probe_steps[0])} the model's outputs reach "
+            f"{_g(out)} for inputs of {_g(inp)}: {gain:.0f} times larger, "
+            "before any training could have made them so."
+        ],
+        "output_max",
+    )
+
+
+def _recurrent_block(s: _Signals) -> int | None:
+    rec = [i for i, r in enumerate(s.record.recurrent) if r]
+    if not rec or not len(s.steps):
+        return None
+    recent = np.nan_to_num(s.blocks[-8:], nan=0.0, posinf=0.0).max(axis=0)
+    top = int(recent.argmax())
+    return top if top in rec else None
+
+
+def _exploding_recurrence(s: _Signals, warn: bool) -> tuple | None:
+    top = _recurrent_block(s)
+    if top is None:
+        return None
+    g = s.blocks[:, top]
+    median = float(np.nanmedian(g))
+    others = np.delete(s.blocks[-8:], top, axis=1)
+    recent = float(np.nanmax(g[-4:]))
+    if warn and not (
+        recent >= RECURRENT_GROWTH * median
+        and recent >= 2.0 * float(np.nanmax(others, initial=0.0))
+    ):
+        return None
+    # The onset: where its last climb above twice its median began.
+    calm = np.flatnonzero(g <= 2.0 * median)
+    start = calm[-1] + 1 if len(calm) else 0
+    start = min(start, len(g) - 1)
+    name = s.record.blocks[top]
+    return (
+        int(s.steps[start]),
+        [
+            f"The recurrent kernel '{name}' holds the largest gradient norm "
+            f"({_g(recent)} in the last steps, median {_g(median)}): gradients "
+            "grow through time."
+        ],
+        f"grad_norm/{name}",
+    )
+
+
+def _learning_rate(s: _Signals, warn: bool) -> tuple | None:
+    r = np.nan_to_num(s.ratio, nan=0.0)
+    high = r > RATIO_ONSET
+    if warn:
+        if not (high[-3:].sum() >= 2 or _exploding(s)):
+            return None
+    elif not (high.any() or _exploding(s)):
+        return None
+    onset = _first(s.probe_steps, high)
+    if onset is None:
+        onset = _explosion_onset(s)
+    evidence = []
+    if high.any():
+        i = int(np.flatnonzero(high)[0])
+        block = s.record.blocks[int(s.ratio_block[i])]
+        evidence.append(
+            f"The update-to-weight ratio (largest, layer '{block}') went from "
+            f"{_g(r[0])} at step {int(s.probe_steps[0])} to {_g(r[i])} at step "
+            f"{int(s.probe_steps[i])} and {_g(r.max())} at its highest "
+            "(healthy training keeps it near 1e-3)."
+        )
+    lr = s.record.column("learning_rate")
+    evidence.append(
+        f"The learning rate went from {_g(lr[0])} to {_g(lr[-1])}; the gradient "
+        f"norm from {_g(s.grad[0])} to {_g(s.grad[-1])}."
+    )
+    return onset, evidence, "update_norm / weight_norm"
+
+
+def _exploding(s: _Signals) -> bool:
+    """Whether the gradient norm of the last steps is an explosion under way."""
+    g = s.grad[np.isfinite(s.grad)]
+    if len(g) < 8:
+        return False
+    return bool(g[-4:].max() >= EXPLOSION * np.median(g))
+
+
+def _explosion_onset(s: _Signals) -> int | None:
+    g = s.grad
+    median = np.nanmedian(g)
+    calm = np.flatnonzero(g <= 10.0 * median)
+    if not len(calm):
+        return int(s.steps[0]) if len(s.steps) else None
+    return int(s.steps[min(calm[-1] + 1, len(g) - 1)])
+
+
+RULES = (
+    ("optimizer_state", _optimizer_state),
+    ("policy_collapse", _policy_collapse),
+    ("input_scale", _input_scale),
+    ("activation_growth", _activation_growth),
+    ("exploding_recurrence", _exploding_recurrence),
+    ("learning_rate_too_high", _learning_rate),
+)
+
+
+# ------------------------------------------------------------------ entry
+def first_bad_step(record: FlightRecord) -> int | None:
+    """The first rejected step of the record (None if none)."""
+    rejected = record.column("accepted") == 0
+    return _first(record.column("step"), rejected)
+
+
+def explain(record: FlightRecord) -> RunDiagnosis:
+    """The run diagnosis of `record` (see the module).
+
+    Example:
+
+    >>> import keras, keras_nanguard as ng
+    >>> from keras_nanguard.flight import explain
+    >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+    >>> opt.build([keras.Variable([1.0])])
+    >>> for g in (1.0, float("nan")):
+    ...     opt.apply([keras.ops.convert_to_tensor([g])])
+    >>> found = explain(opt.flight_record())
+    >>> (found.cause, found.first_bad_step)
+    ('bad_data', 2)
+    """
+    bad = first_bad_step(record)
+    before = record.before(bad)
+    if not len(before):
+        return _diagnosis("unknown" if bad is not None else "healthy", bad, None)
+    s = _Signals.of(before)
+    for cause, rule in RULES:
+        found = rule(s, bad is None)
+        if found is not None:
+            onset, evidence, signal = found
+            return _diagnosis(cause, bad, onset, evidence, signal)
+    if bad is None:
+        return _diagnosis("healthy", None, None)
+    # Trouble with no drift before it: bad data, if the steps before were calm.
+    reason = int(record.rows[record.column("step") == bad][0, 3])
+    words = REASONS.get(reason, "a rejection")
+    g = s.grad[np.isfinite(s.grad)]
+    calm = len(g) == 0 or g[-8:].max() < 10.0 * np.median(g)
+    if calm:
+        evidence = [
+            f"Step {bad} was rejected for {words} with no drift before it: the "
+            f"gradient norm was {_g(g[-1]) if len(g) else 'nan'} the step "
+            f"before (median {_g(float(np.median(g))) if len(g) else 'nan'}), "
+            "the update-to-weight ratio and the outputs steady."
+        ]
+        return _diagnosis("bad_data", bad, bad, evidence, "grad_norm")
+    return _diagnosis(
+        "unknown",
+        bad,
+        bad,
+        [f"Step {bad} was rejected for {words}; no recorded signal explains it."],
+    )
+
+
+def warning(record: FlightRecord) -> RunDiagnosis | None:
+    """The run diagnosis when the record so far predicts trouble (no step has
+    failed yet), else None."""
+    if first_bad_step(record) is not None or not len(record):
+        return None
+    found = explain(record)
+    if found.cause == "healthy":
+        return None
+    found.at_step = int(record.column("step")[-1])
+    return found
+
+
+def _diagnosis(
+    cause: str,
+    bad: int | None,
+    onset: int | None,
+    evidence: list[str] | None = None,
+    signal: str | None = None,
+) -> RunDiagnosis:
+    lead = None if bad is None or onset is None else bad - onset
+    return RunDiagnosis(
+        cause,
+        onset,
+        bad,
+        lead,
+        list(evidence or []),
+        list(HINTS[cause]),
+        signal,
+    )

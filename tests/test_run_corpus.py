@@ -1,0 +1,60 @@
+"""`NaNGuard.explain()` and its early warning on the corpus of runs with known
+fates (`keras_nanguard.flight.corpus`): each diverging run is explained by its
+cause, each healthy run is `healthy`, and the warning comes before the first
+bad step in at least 80% of the diverging runs and never in a healthy one.
+
+Each run trains once per session (`_result`); the per-run tests and the
+corpus-wide figures read the same runs."""
+
+import pytest
+
+from keras_nanguard.flight import RUN_CAUSES, corpus
+
+DIVERGING = [n for n, r in corpus.RUNS.items() if r.cause != "healthy"]
+HEALTHY = [n for n, r in corpus.RUNS.items() if r.cause == "healthy"]
+_RESULTS: dict = {}
+
+
+def _result(name):
+    """(diagnosis, the warning's diagnosis or None) of run `name`."""
+    if name not in _RESULTS:
+        guard = corpus.run(name)
+        warnings = [i for i in guard.incidents if i.kind == "divergence_warning"]
+        assert len(warnings) <= 1  # once per fit
+        _RESULTS[name] = (
+            guard.explain(),
+            warnings[0].diagnosis if warnings else None,
+        )
+    return _RESULTS[name]
+
+
+def test_the_corpus_covers_every_cause():
+    causes = {r.cause for r in corpus.RUNS.values()}
+    assert causes == set(RUN_CAUSES) - {"unknown"}
+    assert len(DIVERGING) >= 12 and len(HEALTHY) >= 6
+
+
+@pytest.mark.parametrize("name", DIVERGING)
+def test_a_diverging_run_is_explained_by_its_cause(name):
+    found, _ = _result(name)
+    assert found.first_bad_step is not None, f"{name} did not diverge"
+    assert found.cause == corpus.RUNS[name].cause, str(found)
+    assert found.onset_step is not None and found.onset_step <= found.first_bad_step
+    assert found.lead_steps == found.first_bad_step - found.onset_step
+    assert found.evidence and found.hints
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_a_healthy_run_is_healthy_and_never_warned(name):
+    found, warned = _result(name)
+    assert (found.cause, found.first_bad_step, warned) == ("healthy", None, None)
+
+
+def test_the_warning_comes_before_the_first_bad_step_in_80_percent():
+    before = []
+    for name in DIVERGING:
+        found, warned = _result(name)
+        if warned is not None and warned.at_step < found.first_bad_step:
+            before.append(name)
+            assert warned.cause == found.cause, name
+    assert len(before) >= 0.8 * len(DIVERGING), sorted(set(DIVERGING) - set(before))
