@@ -1,6 +1,7 @@
 """The memory traffic of torch code, counted exactly: the bytes read and
 written by every aten op (inputs and outputs of each op; views and metadata
-ops count nothing), and the host reads (`aten._local_scalar_dense`: a Python
+ops count nothing; an in-place `index_put_` counts the entries it reads
+and writes, not the whole tensor it writes into), and the host reads (`aten._local_scalar_dense`: a Python
 branch on a device value, a device sync on a GPU), with a
 `TorchDispatchMode`."""
 
@@ -30,6 +31,10 @@ def traffic(run: Callable[[], Any]) -> tuple[float, int]:
             if name == "_local_scalar_dense":
                 self.host_reads += 1
             if name in FREE:
+                return out
+            if name == "index_put_":  # in place: the entries it writes
+                values = args[2]
+                self.bytes += 2 * values.numel() * values.element_size()
                 return out
             seen = set()
             for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):

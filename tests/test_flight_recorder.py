@@ -29,7 +29,9 @@ def _dense(seed=0):
 def _norm(arrays):
     if not isinstance(arrays, list):
         arrays = [arrays]
-    return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, "float64"))) for a in arrays)))
+    return float(
+        np.sqrt(sum(np.sum(np.square(np.asarray(a, "float64"))) for a in arrays))
+    )
 
 
 def test_a_step_records_its_norms_rate_and_outcome_exactly():

@@ -208,13 +208,19 @@ def test_detach_and_a_later_attach_turn_it_off():
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     assert opt.counters()["quarantined_samples"] == 1
     opt.attach(model, quarantine=False)
-    assert "compute_loss" not in vars(model) and "compute_metrics" not in vars(model)
+    assert "compute_loss" not in vars(model)
+    # `compute_metrics` is the flight recorder's (it sees the outputs), over
+    # the model's own: the quarantine's is gone.
+    observed = model.compute_metrics
+    assert getattr(observed, "_nanguard_observed", None) is not None
+    assert observed._nanguard_wrapped == type(model).compute_metrics.__get__(model)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     c = opt.counters()
     assert (c["quarantined_samples"], c["skipped_steps"]) == (1, 1)
     opt.attach(model, quarantine=True)
     opt.detach(model)
     assert "compute_loss" not in vars(model) and "train_step" not in vars(model)
+    assert "compute_metrics" not in vars(model)
 
 
 def test_evaluate_and_predict_are_untouched():

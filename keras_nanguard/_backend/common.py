@@ -67,6 +67,17 @@ def plain_step(
     run(grads, variables, None)
 
 
+def assign_block(variable: Any, row: Any, col: int, values: Any) -> None:
+    """`assign_block` as a scatter of the entries (no host read)."""
+    from keras import ops
+
+    k = int(values.shape[0])
+    zeros = ops.zeros((k,), "int32")
+    cols = ops.arange(col, col + k, dtype="int32")
+    at = ops.stack([zeros + ops.cast(row, "int32"), cols], axis=1)
+    variable.assign(ops.scatter_update(variable.value, at, values))
+
+
 def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:
     """`record_rows` where one process holds the whole step."""
     record(codes, over)

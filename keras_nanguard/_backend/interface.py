@@ -116,6 +116,13 @@ class Backend(Protocol):
         replica's rows in replica order (`over` then one per row)."""
         ...
 
+    def assign_block(
+        self, variable: keras.Variable, row: Tensor, col: int, values: Tensor
+    ) -> None:
+        """Writes `values` into the 2-D `variable` at `[row, col:col + k]`,
+        `row` a device int: in place where the backend can, no host read."""
+        ...
+
     def no_grad(self) -> contextlib.AbstractContextManager:
         """A context in which an optimizer update records no gradient."""
         ...

@@ -28,6 +28,21 @@ run_step = common.plain_step
 record_rows = common.record_rows
 
 
+def assign_block(
+    variable: keras.Variable, row: Tensor, col: int, values: Tensor
+) -> None:
+    # A dynamic-update-slice: in place in a donated step (a scatter of the
+    # entries copied the whole buffer there).
+    buffer = variable.value
+    variable.assign(
+        jax.lax.dynamic_update_slice(
+            buffer,
+            values[None].astype(buffer.dtype),
+            (jnp.asarray(row, "int32"), jnp.int32(col)),
+        )
+    )
+
+
 def host_view(value: Tensor) -> np.ndarray:
     return np.asarray(value)
 

@@ -88,6 +88,9 @@ def no_grad() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+assign_block = common.assign_block
+
+
 def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:
     """`record_rows` under `tf.distribute`: the replicas' rows, in replica
     order, recorded once in cross-replica context (mirrored writes)."""

@@ -26,6 +26,18 @@ run_step = common.plain_step
 record_rows = common.record_rows
 
 
+def assign_block(
+    variable: keras.Variable, row: Tensor, col: int, values: Tensor
+) -> None:
+    # In place: Keras's scatter clones the buffer, and `assign` copies it.
+    buffer = variable.value
+    k = int(values.shape[0])
+    rows = torch.as_tensor(row, device=buffer.device).reshape(1).long()
+    cols = torch.arange(col, col + k, device=buffer.device)
+    with torch.no_grad():
+        buffer.index_put_((rows, cols), values.to(buffer.dtype))
+
+
 def host_view(value: Tensor) -> np.ndarray:
     if hasattr(value, "detach"):
         return value.detach().cpu().numpy()

@@ -417,7 +417,7 @@ def explain(record: FlightRecord) -> RunDiagnosis:
 
     >>> import keras, keras_nanguard as ng
     >>> from keras_nanguard.flight import explain
-    >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+    >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.001))
     >>> opt.build([keras.Variable([1.0])])
     >>> for g in (1.0, float("nan")):
     ...     opt.apply([keras.ops.convert_to_tensor([g])])

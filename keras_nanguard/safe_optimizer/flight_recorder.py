@@ -51,13 +51,14 @@ GLOBAL_COLUMNS = (
     "reason",  # 0 accepted, 1 gradient, 2 update, 3 spike, 4 other (halt)
     "grad_norm",  # global norm of the raw gradients
     "learning_rate",  # the rate the step used
-    "loss",  # the batch's loss (NaN when no one observed it)
     "probe",  # 1.0 on probe rows
+    "state_min",  # probe: smallest sqrt(second moment) + epsilon (else NaN)
+    # Observed after the step (`observe`), one block:
+    "loss",  # the batch's loss (NaN when no one observed it)
     "input_max",  # probe: largest |input| of the batch
     "output_max",  # probe: largest |output| of the model
     "entropy",  # probe: mean entropy of probability outputs (else NaN)
     "min_prob",  # probe: smallest probability output (else NaN)
-    "state_min",  # probe: smallest sqrt(second moment) + epsilon (else NaN)
 )
 COLUMN = {name: i for i, name in enumerate(GLOBAL_COLUMNS)}
 LAYER_BLOCKS = ("grad_norm", "weight_norm", "update_norm")
@@ -158,15 +159,14 @@ class FlightRecorder:
         variables: Sequence[keras.Variable],
         old: Sequence[Any],
         learning_rate: Any,
-        iterations: Any,
     ) -> None:
-        """Writes the row of one step (device writes only), before the step
-        commits or rolls back.
+        """Writes the row of one step (device writes only), once it has
+        committed or rolled back.
 
         `outcome` is the step's `StepOutcome`; `grads_sq` the sums of squares
         of the checked gradients (of `checked`, in order); `variables` the
-        updated weights, `old` their values before the update; `iterations`
-        the inner optimizer's count before it.
+        weights as committed, `old` their values before the step (a rejected
+        step's update norm is 0: nothing was applied).
         """
         if self.ring is None:
             return  # not built (an optimizer never built with variables)
@@ -188,20 +188,14 @@ class FlightRecorder:
         nan = ops.convert_to_tensor(math.nan, "float32")
         head = [
             ops.cast(step, "float32"),
-            ops.cast(
-                ops.where(outcome.ok, inner.iterations.value, iterations), "float32"
-            ),
+            ops.cast(inner.iterations.value, "float32"),
             ops.cast(outcome.ok, "float32"),
             ops.cast(reason, "float32"),
             ops.cast(outcome.norm, "float32"),
             ops.cast(learning_rate, "float32"),
-            nan,  # loss: observed after the step
             ops.cast(probe, "float32"),
-            nan,
-            nan,
-            nan,
-            nan,  # batch figures: observed after the step
             extra[0],
+            *[nan] * len(_OBSERVED),  # the batch's: observed after the step
         ]
         row = ops.concatenate(
             [ops.stack(head), ops.cast(grad_norms, "float32"), extra[1:]]
@@ -210,14 +204,10 @@ class FlightRecorder:
 
     def _write(self, row: Any, step: Any, probe: Any) -> None:
         at = ops.mod(step - 1, RING_STEPS)
-        self.ring.assign(
-            ops.scatter_update(self.ring.value, ops.reshape(at, (1, 1)), row[None])
-        )
+        backend.assign_block(self.ring, at, 0, row)
         probes = self.probes.value
         slot = ops.where(probe, ops.mod(probes, HISTORY_PROBES), HISTORY_PROBES)
-        self.history.assign(
-            ops.scatter_update(self.history.value, ops.reshape(slot, (1, 1)), row[None])
-        )
+        backend.assign_block(self.history, slot, 0, row)
         self.probes.assign(probes + ops.cast(probe, "int32"))
         self.steps.assign(step)
 
@@ -326,15 +316,12 @@ class FlightRecorder:
         else:
             probe = self.ring.value[at, COLUMN["probe"]] > 0
             values = ops.cond(probe, batch_figures, loss_only)
-        cols = [COLUMN[c] for c in _OBSERVED]
-        zeros = ops.zeros((len(cols),), "int32")
-        at_ring = ops.stack([zeros + at, np.array(cols, "int32")], axis=1)
-        self.ring.assign(ops.scatter_update(self.ring.value, at_ring, values))
+        first = COLUMN[_OBSERVED[0]]
+        backend.assign_block(self.ring, at, first, values)
         slot = ops.where(
             probe, ops.mod(self.probes.value - 1, HISTORY_PROBES), HISTORY_PROBES
         )
-        at_history = ops.stack([zeros + slot, np.array(cols, "int32")], axis=1)
-        self.history.assign(ops.scatter_update(self.history.value, at_history, values))
+        backend.assign_block(self.history, slot, first, values)
 
     # ------------------------------------------------------------ host
     def read(self, values: Sequence[Any] | None = None) -> dict[str, Any]:

@@ -151,7 +151,6 @@ class Transaction:
             plan.state, backend.rollback_buffers(plan.state, self._buffers)
         )
         learning_rate = self._rate()
-        (iterations,) = step_ops.snapshot([self.inner.iterations])
         with self._inner_settings(accumulating):
             self._update(update, clip)
         new_finite = kernels.finite_flags([plan.state[j] for j in plan.floats])
@@ -161,7 +160,8 @@ class Transaction:
         outcome = StepOutcome(
             ok, grads_ok, update_ok, norm, bad_index, clipped, spike, spike_figures
         )
-        if self.recorder is not None:  # before the restore: the new values
+        step_ops.restore_unless(ok, plan.state, backup)
+        if self.recorder is not None:  # the committed values: after the restore
             self.recorder.record(
                 inner=self.inner,
                 outcome=outcome,
@@ -170,9 +170,7 @@ class Transaction:
                 variables=variables,
                 old=backup[: len(variables)],
                 learning_rate=learning_rate,
-                iterations=iterations,
             )
-        step_ops.restore_unless(ok, plan.state, backup)
         self.counters.record_step(outcome)
 
     def _rate(self) -> Any:
