@@ -63,6 +63,8 @@ class AgentConfig:
     hidden: int = 128
     spike_factor: float | None = None  # SafeOptimizer's gradient-spike skipping
     spike_window: int = 128
+    # SafeOptimizer (no clipping) for its flight recorder, every step a probe
+    flight_recorder: bool = False
 
 
 FIXED = AgentConfig(
@@ -122,13 +124,16 @@ def make_optimizer(config: AgentConfig) -> keras.optimizers.Optimizer:
             "config": {"learning_rate": config.learning_rate},
         }
     )
-    if not config.safe_optimizer and config.spike_factor is None:
+    if not (config.safe_optimizer or config.flight_recorder) and (
+        config.spike_factor is None
+    ):
         return inner
     return ng.SafeOptimizer(
         inner,
         clipnorm=1.0 if config.safe_optimizer else None,
         spike_factor=config.spike_factor,
         spike_window=config.spike_window,
+        probe_every=1 if config.flight_recorder else 16,
     )
 
 
@@ -149,6 +154,7 @@ class RunResult:
     min_probs: list[float] = dataclasses.field(default_factory=list)
     spikes: list[bool] = dataclasses.field(default_factory=list)
     model: keras.Model | None = None
+    optimizer: keras.optimizers.Optimizer | None = None
     # (weights before the update, x, (actions, returns)) of `capture_episode`
     captured: tuple | None = None
 
@@ -212,7 +218,7 @@ def train_agent(
     model = make_agent(config, seed)
     optimizer = make_optimizer(config)
     rng = np.random.default_rng(seed)
-    result = RunResult(rewards=[], running=[], model=model)
+    result = RunResult(rewards=[], running=[], model=model, optimizer=optimizer)
     running = 0.0
     loss_fn = agent_loss(config)
 
@@ -236,9 +242,13 @@ def train_agent(
         if episode == capture_episode:
             result.captured = ([w.copy() for w in model.get_weights()], x, (a, returns))
         with tf.GradientTape() as tape:
-            loss = loss_fn((a, returns), model(x, training=True))
+            outputs = model(x, training=True)
+            loss = loss_fn((a, returns), outputs)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        if isinstance(optimizer, ng.SafeOptimizer):  # for its flight recorder
+            probs = outputs[0] if not config.stable_log_probs else None
+            optimizer.observe(loss=loss, inputs=x, outputs=probs)
         result.grad_norms.append(float(ng.ops.global_norm(grads)))
         result.min_probs.append(min_p)
         if config.spike_factor is not None:

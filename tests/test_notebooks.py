@@ -55,6 +55,9 @@ FIGURES = {
         "fixed_nan_episode": "fixed.nan_episode",
         "fixed_solved_at": "fixed.solved_at",
         "fixed_final_running": "fixed.final_running",
+        "recorded": "dict(cause=diagnosis.cause, first_bad=diagnosis.first_bad_step,"
+        " onset=diagnosis.onset_step, accepted=record.column('accepted').tolist(),"
+        " min_prob=record.column('min_prob').tolist(), crash=recorded.crash)",
         "early_episodes": "episodes",
         "early_plain_config": "dataclasses.asdict(tutorial.RETURNS_UNNORMALISED)",
         "early_guarded_config": "dataclasses.asdict(guarded_config)",
@@ -77,6 +80,9 @@ FIGURES = {
         "column_0_report": "_figures_report(zero_column_0=True)",
         "g_init_1e3_healthy": "{act: reports[act, 'glorot'].healthy"
         " for act in ('tanh', 'relu')}",
+        "diverged": "{n: dict(cause=g.explain().cause, bad=g.explain().first_bad_step,"
+        " warned=[i.diagnosis.at_step for i in g.incidents"
+        " if i.kind == 'divergence_warning']) for n, g in diverged.items()}",
     },
 }
 
@@ -244,6 +250,19 @@ def test_actor_critic_claims():
     assert nan_episode is None and crash is None
     assert n_episodes == 30  # not solved, not crashed: all 30 played
 
+    # The same agent inside SafeOptimizer (flight recorder, no clipping): the
+    # first update at rate 1.0 is the cause; every later step is rejected,
+    # the policy saturated (a probability of exactly 0); no crash.
+    recorded = f["recorded"]
+    assert (recorded["cause"], recorded["first_bad"], recorded["onset"]) == (
+        "learning_rate_too_high",
+        2,
+        1,
+    )
+    assert recorded["accepted"] == [1.0] + [0.0] * 9
+    assert recorded["min_prob"][0] > 0.1 and recorded["min_prob"][1:] == [0.0] * 9
+    assert recorded["crash"] is None
+
     # fixed = tutorial.train_agent(tutorial.FIXED, episodes=300)
     assert f["fixed_nan_episode"] is None
     assert f["fixed_solved_at"] is not None
@@ -307,6 +326,14 @@ def test_critic_claims():
         assert (stage, layer, causes[0]) == ("forward", "wn2", "invalid_arithmetic")
     # diagnose(tutorial.critic(act, g_init=1e3), states[:64], returns[:64])
     assert f["g_init_1e3_healthy"] == {"tanh": True, "relu": False}
+
+    # "Why did my run diverge": two corpus runs, each named by its cause and
+    # warned before its first rejected step (as tests/test_run_corpus.py).
+    runs = f["diverged"]
+    assert runs["lr_warmup_mlp"]["cause"] == "learning_rate_too_high"
+    assert runs["policy_collapse_actor"]["cause"] == "policy_collapse"
+    for run in runs.values():
+        assert len(run["warned"]) == 1 and run["warned"][0] < run["bad"]
 
 
 if __name__ == "__main__":

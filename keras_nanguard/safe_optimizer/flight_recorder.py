@@ -21,8 +21,12 @@ mean entropy and smallest probability.
 In compiled steps (TensorFlow, JAX) a probe is an `ops.cond` on the step
 count; in eager steps (torch, `run_eagerly`) it is decided on the host by a
 Python count of the calls, so no step reads a device value to decide it.
-Under `torch.compile` every step is a probe (a Python count would recompile
-the step).
+Under `torch.compile` (`jit_compile=True` on torch) every step is a probe (a
+Python count would recompile the step) and the batch's figures are not
+observed (the observing Python in the attached step made dynamo compile it
+four more times).
+Reductions are `ops.amax`/`ops.amin`: Keras's torch `max`/`min`
+break a compiled graph.
 """
 
 from __future__ import annotations
@@ -259,8 +263,8 @@ class FlightRecorder:
             else:
                 w = u = ops.zeros((n,), "float32")
             if moment_values:
-                smallest = ops.min(
-                    ops.stack([ops.min(ops.cast(m, "float32")) for m in moment_values])
+                smallest = ops.amin(
+                    ops.stack([ops.amin(ops.cast(m, "float32")) for m in moment_values])
                 )
                 state = ops.sqrt(ops.maximum(smallest, 0.0)) + epsilon
             else:
@@ -274,12 +278,11 @@ class FlightRecorder:
             due = self.force_probe
             self._last_probe = due
             return ops.convert_to_tensor(due), measure() if due else skip()
-        if backend.executing_eagerly(self.steps) or backend.compiling():
-            if backend.compiling():
-                due = True  # see the module: every step under torch.compile
-            else:
-                due = self._calls % self.probe_every == 0
-                self._calls += 1
+        if backend.compiling():  # every step: a count would recompile
+            return ops.convert_to_tensor(True), measure()
+        if backend.executing_eagerly(self.steps):
+            due = self._calls % self.probe_every == 0
+            self._calls += 1
             self._last_probe = due
             return ops.convert_to_tensor(due), measure() if due else skip()
         due_now = ops.mod(self.steps.value, self.probe_every) == 0
@@ -291,7 +294,7 @@ class FlightRecorder:
     ) -> None:
         """Writes the batch's figures into the row of the step just recorded:
         `loss` always, the input and output figures on probe rows only."""
-        if self.ring is None:
+        if self.ring is None or backend.compiling():
             return
         nan = ops.convert_to_tensor(math.nan, "float32")
         loss_value = nan if loss is None else ops.cast(ops.mean(loss), "float32")
@@ -309,8 +312,8 @@ class FlightRecorder:
             probe: Any = self.force_probe
             values = batch_figures() if probe else loss_only()
             probe = ops.convert_to_tensor(probe)
-        elif backend.executing_eagerly(self.steps) or backend.compiling():
-            probe = self._last_probe or backend.compiling()
+        elif backend.executing_eagerly(self.steps):
+            probe = self._last_probe
             values = batch_figures() if probe else loss_only()
             probe = ops.convert_to_tensor(probe)
         else:
@@ -353,7 +356,7 @@ def _input_max(inputs: Any) -> list[Any]:
     if not floats:
         return [ops.convert_to_tensor(math.nan, "float32")]
     return [
-        ops.max(ops.stack([ops.max(ops.abs(ops.cast(t, "float32"))) for t in floats]))
+        ops.amax(ops.stack([ops.amax(ops.abs(ops.cast(t, "float32"))) for t in floats]))
     ]
 
 
@@ -365,14 +368,14 @@ def _output_figures(outputs: Any) -> list[Any]:
     if not flat:
         return [nan, nan, nan]
     y = ops.cast(flat[-1], "float32")
-    largest = ops.max(
-        ops.stack([ops.max(ops.abs(ops.cast(t, "float32"))) for t in flat])
+    largest = ops.amax(
+        ops.stack([ops.amax(ops.abs(ops.cast(t, "float32"))) for t in flat])
     )
     if len(y.shape) < 1 or y.shape[-1] in (None, 1):
         return [largest, nan, nan]
-    smallest = ops.min(y)
+    smallest = ops.amin(y)
     sums = ops.sum(y, axis=-1)
-    is_prob = ops.logical_and(smallest >= 0.0, ops.max(ops.abs(sums - 1.0)) < 1e-3)
+    is_prob = ops.logical_and(smallest >= 0.0, ops.amax(ops.abs(sums - 1.0)) < 1e-3)
     plogp = ops.where(y > 0.0, y * ops.log(ops.where(y > 0.0, y, 1.0)), 0.0)
     entropy = -ops.mean(ops.sum(plogp, axis=-1))
     return [

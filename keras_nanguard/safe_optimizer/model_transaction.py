@@ -146,16 +146,22 @@ class ModelTransaction:
             state = forward_state(model) + model.metrics_variables
             if quarantine is not None:
                 data = quarantine.clean(data)
-            tracker = observing.loss_tracker(model)
-            tracked = read(tracker)
+            # Not under torch.compile: see `flight_recorder`.
+            recording = self.recorder is not None and not backend.compiling()
+            tracker: list[Any] = []
+            if quarantine is not None or recording:
+                tracker = observing.loss_tracker(model)
+                tracked = read(tracker)
             # In `fit` a halt is NaNGuard's to act on (or warned at the
             # end), as in compiled steps: not raised from `apply`.
             self.in_fit = True
-            self.observer.begin()
+            if recording:
+                self.observer.begin()
             try:
                 with self._guard(model, state) as step:
                     step.logs = original(data)
-                    self._observe(data, tracked, [v.value for v in tracker])
+                    if recording:
+                        self._observe(data, tracked, [v.value for v in tracker])
                     if quarantine is not None:
                         step.logs, codes, over = quarantine.end(step.logs)
                         backend.record_rows(
@@ -167,7 +173,8 @@ class ModelTransaction:
                             v.assign(value)
             finally:
                 self.in_fit = False
-                self.observer.end()
+                if recording:
+                    self.observer.end()
                 if quarantine is not None:
                     quarantine.abandon()
             return self._step_logs(model, step.logs)
