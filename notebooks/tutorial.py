@@ -246,9 +246,7 @@ def train_agent(
             loss = loss_fn((a, returns), outputs)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        if isinstance(optimizer, ng.SafeOptimizer):  # for its flight recorder
-            probs = outputs[0] if not config.stable_log_probs else None
-            optimizer.observe(loss=loss, inputs=x, outputs=probs)
+        _observe(optimizer, config, loss, x, outputs)
         result.grad_norms.append(float(ng.ops.global_norm(grads)))
         result.min_probs.append(min_p)
         if config.spike_factor is not None:
@@ -272,6 +270,14 @@ def train_agent(
         result.skipped_steps = optimizer.counters()["skipped_steps"]
     env.close()
     return result
+
+
+def _observe(optimizer: Any, config: AgentConfig, loss: Any, x: Any, outputs: Any):
+    """Hands the episode's loss, states and policy to a SafeOptimizer's
+    flight recorder (after its `apply`)."""
+    if isinstance(optimizer, ng.SafeOptimizer):
+        probs = outputs[0] if not config.stable_log_probs else None
+        optimizer.observe(loss=loss, inputs=x, outputs=probs)
 
 
 # A learning rate the agent can learn with, returns left unnormalised: nothing

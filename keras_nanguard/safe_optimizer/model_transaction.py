@@ -149,6 +149,7 @@ class ModelTransaction:
             # Not under torch.compile: see `flight_recorder`.
             recording = self.recorder is not None and not backend.compiling()
             tracker: list[Any] = []
+            tracked: list[Any] = []
             if quarantine is not None or recording:
                 tracker = observing.loss_tracker(model)
                 tracked = read(tracker)
@@ -163,14 +164,9 @@ class ModelTransaction:
                     if recording:
                         self._observe(data, tracked, [v.value for v in tracker])
                     if quarantine is not None:
-                        step.logs, codes, over = quarantine.end(step.logs)
-                        backend.record_rows(
-                            self.counters.record_quarantine, codes, over
+                        step.logs = self._end_quarantine(
+                            quarantine, step.logs, tracker, tracked
                         )
-                        now = [v.value for v in tracker]
-                        weighed = quarantine.weigh_loss(tracked, now, codes, over)
-                        for v, value in zip(tracker, weighed, strict=True):
-                            v.assign(value)
             finally:
                 self.in_fit = False
                 if recording:
@@ -247,6 +243,19 @@ class ModelTransaction:
             )
         optimizer_values = [scope.get_current_value(v) for v in variables]
         return ops.logical_and(accepted, ops.logical_not(skipped)), optimizer_values
+
+    def _end_quarantine(
+        self, quarantine: Quarantine, logs: Any, tracker: list, tracked: list
+    ) -> Any:
+        """Counts a quarantined step's rows and weighs its loss tracker by the
+        healthy ones; its logs without the quarantine's entries."""
+        logs, codes, over = quarantine.end(logs)
+        backend.record_rows(self.counters.record_quarantine, codes, over)
+        now = [v.value for v in tracker]
+        weighed = quarantine.weigh_loss(tracked, now, codes, over)
+        for v, value in zip(tracker, weighed, strict=True):
+            v.assign(value)
+        return logs
 
     def _observe(self, data: Any, before: list[Any], after: list[Any]) -> None:
         """Hands the step's loss, inputs and outputs to the flight recorder."""
