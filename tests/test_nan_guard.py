@@ -129,6 +129,7 @@ def test_numpy_scalars_and_paths_are_accepted_as_plain_values(tmp_path):
         batch_size=np.int64(8),
         quarantine=np.bool_(True),
         max_quarantine_fraction=np.float32(0.25),
+        early_warning=np.bool_(False),
         verbose=np.int64(0),
     )
     config = guard.get_config()
@@ -149,6 +150,7 @@ def test_numpy_scalars_and_paths_are_accepted_as_plain_values(tmp_path):
         "batch_size": 8,
         "quarantine": True,
         "max_quarantine_fraction": 0.25,
+        "early_warning": False,
         "verbose": 0,
     }
     # Plain Python values: the config is JSON, as `.keras` files store it.

@@ -102,9 +102,13 @@ def test_variables_are_the_counters_then_the_inner_optimizers():
     names = [v.name for v in safe.variables]
     counters = list(safe.counters())
     assert names[: len(counters)] == counters
-    # Then the quarantine's log (rows, not a number `counters()` reports).
+    # Then the quarantine's log (rows, not a number `counters()` reports),
+    # then the flight recorder's (made by `build`).
     n = len(counters) + 1
     assert names[n - 1] == "quarantine_log"
+    flight = ["flight_steps", "flight_probes", "flight_ring", "flight_history"]
+    assert names[n : n + 4] == flight
+    n += 4
     inner = safe.inner_optimizer.variables
     assert [id(v) for v in safe.variables[n:]] == [id(v) for v in inner]
     assert "learning_rate" not in names[: len(counters)]

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_nanguard import snapshots
 from keras_nanguard._backend import current as backend
@@ -202,11 +203,14 @@ class NaNGuard(keras.callbacks.Callback):
         self.max_quarantine_fraction = check_in(
             "max_quarantine_fraction", max_quarantine_fraction, 0, 1, closed_high=True
         )
-        if not (isinstance(early_warning, bool) or early_warning == "act"):
+        if isinstance(early_warning, bool | np.bool_):
+            early_warning = bool(early_warning)
+        elif early_warning != "act":
             raise ValueError(
                 "`early_warning` must be True (record a `divergence_warning` "
                 "incident), False (none) or 'act' (also lower the learning "
-                f"rate, with policy='rollback'). Received: early_warning={early_warning!r}"
+                "rate, with policy='rollback'). "
+                f"Received: early_warning={early_warning!r}"
             )
         self.early_warning = early_warning
         self.verbose = check_choice("verbose", verbose, (0, 1))

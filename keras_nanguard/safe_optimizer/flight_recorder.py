@@ -192,7 +192,7 @@ class FlightRecorder:
         nan = ops.convert_to_tensor(math.nan, "float32")
         head = [
             ops.cast(step, "float32"),
-            ops.cast(inner.iterations.value, "float32"),
+            ops.cast(ops.convert_to_tensor(inner.iterations), "float32"),
             ops.cast(outcome.ok, "float32"),
             ops.cast(reason, "float32"),
             ops.cast(outcome.norm, "float32"),
