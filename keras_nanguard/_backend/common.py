@@ -67,6 +67,10 @@ def plain_step(
     run(grads, variables, None)
 
 
+def in_replica() -> bool:
+    return False
+
+
 def assign_block(variable: Any, row: Any, col: int, values: Any) -> None:
     """`assign_block` as a scatter of the entries (no host read)."""
     from keras import ops

@@ -116,6 +116,11 @@ class Backend(Protocol):
         replica's rows in replica order (`over` then one per row)."""
         ...
 
+    def in_replica(self) -> bool:
+        """Whether the code running now is one replica's of a `tf.distribute`
+        step (where the optimizer's own variables are not written)."""
+        ...
+
     def assign_block(
         self, variable: keras.Variable, row: Tensor, col: int, values: Tensor
     ) -> None:

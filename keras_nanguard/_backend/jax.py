@@ -26,6 +26,7 @@ frozen = common.no_frozen
 restore_unless = common.restore_by_assign
 run_step = common.plain_step
 record_rows = common.record_rows
+in_replica = common.in_replica
 
 
 def assign_block(

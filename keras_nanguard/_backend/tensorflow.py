@@ -91,6 +91,10 @@ def no_grad() -> contextlib.AbstractContextManager:
 assign_block = common.assign_block
 
 
+def in_replica() -> bool:
+    return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
 def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:
     """`record_rows` under `tf.distribute`: the replicas' rows, in replica
     order, recorded once in cross-replica context (mirrored writes)."""

@@ -24,6 +24,7 @@ REUSES_DEVICE_BUFFERS = True
 
 run_step = common.plain_step
 record_rows = common.record_rows
+in_replica = common.in_replica
 
 
 def assign_block(

@@ -88,8 +88,9 @@ HINTS: dict[str, list[str]] = {
         "Add normalisation (BatchNormalization, LayerNormalization) between layers.",
     ],
     "policy_collapse": [
-        "Compute log-probabilities stably: ng.StableSoftmax(log=True) or "
-        "ng.ops.stable_log_softmax on the logits, never log(softmax(x)).",
+        "Compute log-probabilities in log space: ng.StableSoftmax(log_probs="
+        "True), or ng.ops.policy_log_prob(logits, actions), never "
+        "log(softmax(x)).",
         "Add an entropy bonus to the loss, normalise the advantages, cap the "
         "logits (ng.StableSoftmax(soft_cap=30.0)).",
     ],
@@ -136,6 +137,15 @@ class RunDiagnosis:
         hints: what to change.
         signal: the column the evidence is read from.
         at_step: the last optimizer step recorded when it was made.
+
+    Example:
+
+    >>> import keras_nanguard as ng
+    >>> found = ng.RunDiagnosis("bad_data", onset_step=61, first_bad_step=61)
+    >>> print(str(found).splitlines()[0])
+    Run diagnosis: bad_data (a few batches with non-finite or outlying values in an otherwise healthy run).
+    >>> found.to_dict()["cause"]
+    'bad_data'
     """
 
     cause: str
@@ -152,9 +162,10 @@ class RunDiagnosis:
         if self.first_bad_step is not None:
             lines.append(f"  First bad step: {self.first_bad_step}.")
         if self.onset_step is not None:
-            lead = (
-                "" if self.lead_steps is None else f", {self.lead_steps} steps before"
-            )
+            lead = ""
+            if self.lead_steps is not None:
+                unit = "step" if self.lead_steps == 1 else "steps"
+                lead = f", {self.lead_steps} {unit} before"
             lines.append(f"  Onset: step {self.onset_step}{lead}.")
         lines += [f"  - {e}" for e in self.evidence]
         if self.hints:
@@ -362,11 +373,15 @@ def _learning_rate(s: _Signals, warn: bool) -> tuple | None:
     if high.any():
         i = int(np.flatnonzero(high)[0])
         block = s.record.blocks[int(s.ratio_block[i])]
+        since = (
+            f"was {_g(r[i])} from step {int(s.probe_steps[i])}"
+            if i == 0
+            else f"went from {_g(r[0])} at step {int(s.probe_steps[0])} to "
+            f"{_g(r[i])} at step {int(s.probe_steps[i])}"
+        )
         evidence.append(
-            f"The update-to-weight ratio (largest, layer '{block}') went from "
-            f"{_g(r[0])} at step {int(s.probe_steps[0])} to {_g(r[i])} at step "
-            f"{int(s.probe_steps[i])} and {_g(r.max())} at its highest "
-            "(healthy training keeps it near 1e-3)."
+            f"The update-to-weight ratio (largest, layer '{block}') {since}, "
+            f"{_g(r.max())} at its highest (healthy training keeps it near 1e-3)."
         )
     lr = s.record.column("learning_rate")
     evidence.append(

@@ -430,8 +430,8 @@ class NaNGuard(keras.callbacks.Callback):
         Example:
 
         >>> import keras_nanguard as ng
-        >>> ng.NaNGuard().explain().cause
-        'healthy'
+        >>> ng.NaNGuard().explain().cause  # no fit yet: nothing recorded
+        'unknown'
         """
         turns = self._turns
         if turns is not None and turns.state.safe is not None:

@@ -58,7 +58,12 @@ class FlightWatch:
     def explain(self) -> RunDiagnosis:
         if self.record is None:
             return _explain.RunDiagnosis(
-                "healthy",
-                evidence=["Nothing was recorded: no SafeOptimizer step ran."],
+                "unknown",
+                evidence=[
+                    "Nothing was recorded: no step of a SafeOptimizer ran "
+                    "under this guard (its flight recorder is what explain "
+                    "reads; compile with ng.SafeOptimizer(optimizer))."
+                ],
+                hints=list(_explain.HINTS["unknown"]),
             )
         return _explain.explain(self.record)

@@ -98,7 +98,7 @@ class Responses:
         self.record(None, "divergence_warning", detail, [])
         inc = self.log.last
         inc.diagnosis = found
-        inc.action = "warned"
+        inc.action = "recorded"
         if self.settings.early_warning != "act" or self.settings.policy != "rollback":
             return
         optimizer = self.state.net.optimizer
@@ -107,7 +107,7 @@ class Responses:
             inc.learning_rate = lr
             inc.action = f"lowered the learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
         else:
-            inc.action = "warned" + _learning_rate.not_lowered(optimizer)
+            inc.action = "recorded" + _learning_rate.not_lowered(optimizer)
 
     def trouble(self) -> None:
         """Acts on the newest incident, which is trouble."""

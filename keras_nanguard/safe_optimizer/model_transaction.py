@@ -146,8 +146,13 @@ class ModelTransaction:
             state = forward_state(model) + model.metrics_variables
             if quarantine is not None:
                 data = quarantine.clean(data)
-            # Not under torch.compile: see `flight_recorder`.
-            recording = self.recorder is not None and not backend.compiling()
+            # Not under torch.compile (see `flight_recorder`), nor in one
+            # replica of a `tf.distribute` step.
+            recording = (
+                self.recorder is not None
+                and not backend.compiling()
+                and not backend.in_replica()
+            )
             tracker: list[Any] = []
             tracked: list[Any] = []
             if quarantine is not None or recording:
