@@ -246,3 +246,37 @@ def test_rollbacks_keep_the_record():
     # Every step is recorded once, rolled back or not, in order.
     assert np.all(np.diff(steps) > 0)
     assert int(steps[-1]) == 128
+
+
+def _record(rows):
+    """A record of one layer block 'x' from `rows`: dicts of column values
+    (unnamed columns NaN), steps 1, 2, ...; every row a probe."""
+    from keras_nanguard.safe_optimizer.flight_recorder import GLOBAL_COLUMNS
+
+    columns = [*GLOBAL_COLUMNS, "grad_norm/x", "weight_norm/x", "update_norm/x"]
+    record = ng.FlightRecord.empty(columns, ["x"], [False])
+    data = np.full((len(rows), len(columns)), np.nan, "float32")
+    for i, row in enumerate(rows):
+        values = {"step": i + 1, "accepted": 1.0, "reason": 0.0, "probe": 1.0}
+        values.update({"grad_norm": 1.0, "grad_norm/x": 1.0, "weight_norm/x": 1.0})
+        values.update({"update_norm/x": 1e-3, "learning_rate": 1e-3, **row})
+        for name, value in values.items():
+            data[i, columns.index(name)] = value
+    record.add(data)
+    return record
+
+
+def test_an_early_high_ratio_does_not_hide_bad_data():
+    rows = [{"update_norm/x": 0.2}] + [{}] * 30  # Adam's first step, then calm
+    rows.append({"accepted": 0.0, "reason": 1.0, "grad_norm": np.nan})
+    found = ng.explain(_record(rows))
+    assert (found.cause, found.first_bad_step, found.onset_step) == ("bad_data", 32, 32)
+
+
+def test_a_tiny_denominator_is_the_cause_only_of_a_failed_update():
+    tiny = {"state_min": 1e-11}
+    failed = {"accepted": 0.0, "grad_norm": np.nan}
+    gradient = ng.explain(_record([tiny] * 10 + [{**failed, "reason": 1.0}]))
+    update = ng.explain(_record([tiny] * 10 + [{**failed, "reason": 2.0}]))
+    assert (gradient.cause, update.cause) == ("bad_data", "optimizer_state")
+    assert update.onset_step == 1 and update.lead_steps == 10

@@ -65,6 +65,12 @@ def _regression(n: int = 2048, d: int = 8, scale: float = 1.0, seed: int = 0) ->
     return (scale * x).astype("float32"), y.astype("float32")
 
 
+def _linear(n: int = 1280, d: int = 6, seed: int = 0) -> Data:
+    r = _rng(seed)
+    x = r.normal(size=(n, d)).astype("float32")
+    return x, (x @ r.normal(size=(d, 1))).astype("float32")
+
+
 def _classes(n: int = 2048, d: int = 16, k: int = 4, seed: int = 0) -> Data:
     r = _rng(seed)
     centres = r.normal(size=(k, d)).astype("float32") * 2.0
@@ -531,6 +537,17 @@ RUNS: dict[str, Run] = {
         1,
         "A regressor whose targets grow tenfold through the data: its "
         "gradient norm grows slowly with them, harmlessly.",
+    ),
+    "healthy_high_rate": Run(
+        "healthy",
+        _mlp(6, 1, width=8, depth=1, activation="relu"),
+        lambda: keras.optimizers.SGD(0.05),
+        _linear,
+        "mse",
+        16,
+        2,
+        "A small ReLU regressor at a high but workable rate: its early "
+        "update-to-weight ratios reach 0.2 while its loss falls.",
     ),
     "healthy_transformer": Run(
         "healthy",

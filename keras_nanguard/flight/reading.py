@@ -11,8 +11,11 @@ model or the optimizer.
 The thresholds, and why (healthy runs of the corpus in brackets):
 
 - update-to-weight ratio (largest over the layers, at probes): onset 0.05,
-  warning when 2 of the last 3 probes are above 0.05 [healthy: <= 0.03];
-- the optimizer's smallest denominator `sqrt(v) + epsilon`: onset 1e-9,
+  warning when 2 of the last 3 probes are above 0.05 and the loss has gone
+  up to 10 times its lowest [healthy: <= 0.03; early training of small
+  models at a high workable rate reaches 0.2, its loss falling];
+- the optimizer's smallest denominator `sqrt(v) + epsilon`: onset 1e-9 (named
+  the cause only when the first bad step is a non-finite update),
   warning 1e-12 [healthy: >= epsilon, 1e-7 for Keras's Adam];
 - the smallest probability of a softmax output: onset 1e-10, warning 1e-14
   (float32's `exp` underflows to exactly 0 near 1e-45) [healthy: >= 1e-8];
@@ -120,6 +123,7 @@ LARGE_GRADIENT = 100.0
 AMPLIFICATION = 100.0
 RECURRENT_GROWTH = 4.0
 EXPLOSION = 1000.0
+WORSENING = 10.0
 REASONS = {1: "a non-finite gradient", 2: "a non-finite update", 3: "a spike"}
 
 
@@ -194,9 +198,10 @@ class _Signals:
     outputs: np.ndarray
     grad: np.ndarray
     blocks: np.ndarray  # per step: the gradient norm of each block
+    bad_reason: int | None = None  # why the first bad step was rejected
 
     @classmethod
-    def of(cls, record: FlightRecord) -> _Signals:
+    def of(cls, record: FlightRecord, bad_reason: int | None = None) -> _Signals:
         probes = record.probes()
         with np.errstate(all="ignore"):
             ratios = probes.block("update_norm") / probes.block("weight_norm")
@@ -216,6 +221,7 @@ class _Signals:
             outputs=probes.column("output_max"),
             grad=record.column("grad_norm"),
             blocks=record.block("grad_norm"),
+            bad_reason=bad_reason,
         )
 
 
@@ -235,6 +241,8 @@ def _g(x: float) -> str:
 def _optimizer_state(s: _Signals, warn: bool) -> tuple | None:
     v = s.state
     if not np.isfinite(v).any():
+        return None
+    if not warn and s.bad_reason != 2:  # it fails in the update, if at all
         return None
     low = v < (STATE_WARN if warn else STATE_ONSET)
     # Large updates from a tiny denominator are this cause, not the rate.
@@ -362,9 +370,9 @@ def _learning_rate(s: _Signals, warn: bool) -> tuple | None:
     r = np.nan_to_num(s.ratio, nan=0.0)
     high = r > RATIO_ONSET
     if warn:
-        if not (high[-3:].sum() >= 2 or _exploding(s)):
+        if not ((high[-3:].sum() >= 2 and _worsening(s)) or _exploding(s)):
             return None
-    elif not (high.any() or _exploding(s)):
+    elif not (high[-2:].any() or _exploding(s)):  # high up to the failure
         return None
     onset = _first(s.probe_steps, high)
     if onset is None:
@@ -389,6 +397,20 @@ def _learning_rate(s: _Signals, warn: bool) -> tuple | None:
         f"norm from {_g(s.grad[0])} to {_g(s.grad[-1])}."
     )
     return onset, evidence, "update_norm / weight_norm"
+
+
+def _worsening(s: _Signals) -> bool:
+    """Whether training has stopped making progress: the last probe's loss
+    (the gradient norm's, where no loss was observed) is 10 times the
+    smallest so far, or not finite. Early training at a high but workable
+    rate has high update ratios too, with a falling loss."""
+    loss = s.record.probes().column("loss")
+    values = loss if np.isfinite(loss).any() else s.record.probes().column("grad_norm")
+    if len(values) < 2:
+        return False
+    last = values[-1]
+    best = np.nanmin(values) if np.isfinite(values).any() else np.nan
+    return bool(not np.isfinite(last) or last >= WORSENING * max(best, 1e-12))
 
 
 def _exploding(s: _Signals) -> bool:
@@ -444,7 +466,10 @@ def explain(record: FlightRecord) -> RunDiagnosis:
     before = record.before(bad)
     if not len(before):
         return _diagnosis("unknown" if bad is not None else "healthy", bad, None)
-    s = _Signals.of(before)
+    reason = None
+    if bad is not None:
+        reason = int(record.rows[record.column("step") == bad][0, 3])
+    s = _Signals.of(before, reason)
     for cause, rule in RULES:
         found = rule(s, bad is None)
         if found is not None:
@@ -453,8 +478,7 @@ def explain(record: FlightRecord) -> RunDiagnosis:
     if bad is None:
         return _diagnosis("healthy", None, None)
     # Trouble with no drift before it: bad data, if the steps before were calm.
-    reason = int(record.rows[record.column("step") == bad][0, 3])
-    words = REASONS.get(reason, "a rejection")
+    words = REASONS.get(reason or 0, "a rejection")
     g = s.grad[np.isfinite(s.grad)]
     calm = len(g) == 0 or g[-8:].max() < 10.0 * np.median(g)
     if calm:
