@@ -197,6 +197,8 @@ class _Signals:
     inputs: np.ndarray
     outputs: np.ndarray
     grad: np.ndarray
+    probe_loss: np.ndarray  # per probe: the loss (NaN where not observed)
+    probe_grad: np.ndarray  # per probe: the gradient norm
     blocks: np.ndarray  # per step: the gradient norm of each block
     bad_reason: int | None = None  # why the first bad step was rejected
 
@@ -220,6 +222,8 @@ class _Signals:
             inputs=probes.column("input_max"),
             outputs=probes.column("output_max"),
             grad=record.column("grad_norm"),
+            probe_loss=probes.column("loss"),
+            probe_grad=probes.column("grad_norm"),
             blocks=record.block("grad_norm"),
             bad_reason=bad_reason,
         )
@@ -404,8 +408,8 @@ def _worsening(s: _Signals) -> bool:
     (the gradient norm's, where no loss was observed) is 10 times the
     smallest so far, or not finite. Early training at a high but workable
     rate has high update ratios too, with a falling loss."""
-    loss = s.record.probes().column("loss")
-    values = loss if np.isfinite(loss).any() else s.record.probes().column("grad_norm")
+    loss = s.probe_loss
+    values = loss if np.isfinite(loss).any() else s.probe_grad
     if len(values) < 2:
         return False
     last = values[-1]

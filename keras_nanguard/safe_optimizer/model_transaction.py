@@ -284,8 +284,7 @@ class ModelTransaction:
         """The optimizer values with the batch's figures recorded."""
         if self.recorder is None:
             return optimizer_values
-        index = {id(v): i for i, v in enumerate(model.metrics_variables)}
-        where = [index[id(v)] for v in observing.loss_tracker(model)]
+        where = observing.tracker_positions(model)
         loss = observing.step_loss(
             [metrics_before[i] for i in where], [metrics_after[i] for i in where]
         )
@@ -491,11 +490,9 @@ def _weigh_stateless_loss(
 ) -> list[Any]:
     """A stateless step's metric values with the loss tracker counting the
     healthy rows (`Quarantine.weigh_loss`); the logs are made of them."""
-    tracker = quarantine.loss_tracker(model)
-    if not tracker:
+    where = observing.tracker_positions(model)
+    if not where:
         return after
-    index = {id(v): i for i, v in enumerate(model.metrics_variables)}
-    where = [index[id(v)] for v in tracker]
     weighed = quarantine.weigh_loss(
         [before[i] for i in where], [after[i] for i in where], codes, over
     )

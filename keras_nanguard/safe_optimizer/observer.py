@@ -66,12 +66,20 @@ class StepObserver:
 
 
 def loss_tracker(model: keras.Model) -> list[keras.Variable]:
-    """The (total, count) variables of Keras's running mean of the loss
-    (empty when the model has none)."""
+    """The (total, count) variables of Keras's running mean of the loss,
+    which weighs each batch by its size (the quarantine's `weigh_loss` makes
+    it the healthy rows' count). Empty when the model has none."""
     for metric in model.metrics:
         if metric.name == "loss" and isinstance(metric, keras.metrics.Mean):
             return [metric.total, metric.count]
     return []
+
+
+def tracker_positions(model: keras.Model) -> list[int]:
+    """Where `loss_tracker`'s variables are in `model.metrics_variables` (a
+    stateless step's metric values)."""
+    index = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    return [index[id(v)] for v in loss_tracker(model)]
 
 
 def step_loss(before: list[Any], after: list[Any]) -> Any:

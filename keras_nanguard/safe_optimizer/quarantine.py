@@ -122,16 +122,6 @@ class Quarantine:
         self._rows = None
 
     @staticmethod
-    def loss_tracker(model: keras.Model) -> list[keras.Variable]:
-        """The variables (total, count) of Keras's running mean of the loss,
-        which weighs each batch by its size: `weigh_loss` makes it the
-        healthy rows' count. Empty when the model has none."""
-        for metric in model.metrics:
-            if metric.name == "loss" and isinstance(metric, keras.metrics.Mean):
-                return [metric.total, metric.count]
-        return []
-
-    @staticmethod
     def weigh_loss(before: list[Any], after: list[Any], codes: Any, over: Any) -> list:
         """The loss tracker's (total, count) after a quarantined step, from
         their values `before` and `after` it: the batch counted as its
