@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_nanguard._backend import current as backend
@@ -21,6 +22,46 @@ Tensor = Any
 # Powers of two: scaling by them is exact and cannot be simplified away.
 _TINY = 2.0**-64
 _HUGE = 2.0**64
+
+
+# Finite codes for the non-finite values a report variable holds (a norm of
+# NaN gradients, a figure not measured): every variable of a SafeOptimizer
+# stays finite, so that a health check over `optimizer.variables` passes and
+# JAX's multi-process `device_put` sees equal initial values on every process.
+# No finite float32 reaches them: a value past them is already inf.
+FLOAT32_MAX = float(np.finfo("float32").max)
+NAN_CODE = -FLOAT32_MAX
+NEG_INF_CODE = float(np.nextafter(np.float32(-FLOAT32_MAX), np.float32(0)))
+
+
+def to_finite(x: Tensor) -> Tensor:
+    """`x` as float32 with NaN, +inf and -inf as finite codes (`from_finite`
+    reads them back): `NAN_CODE`, `FLOAT32_MAX` and `NEG_INF_CODE`."""
+    x = ops.cast(x, "float32")
+    return ops.where(ops.isnan(x), NAN_CODE, ops.clip(x, NEG_INF_CODE, FLOAT32_MAX))
+
+
+def decode_finite(x: Tensor) -> Tensor:
+    """`from_finite` on the device: a tensor with the codes as NaN and inf."""
+    return ops.where(
+        x == NAN_CODE,
+        np.float32(np.nan),
+        ops.where(
+            x == FLOAT32_MAX,
+            np.float32(np.inf),
+            ops.where(x == NEG_INF_CODE, np.float32(-np.inf), x),
+        ),
+    )
+
+
+def from_finite(x: Any) -> np.ndarray:
+    """What `to_finite` coded, on the host: the codes as NaN, +inf, -inf."""
+    x = np.asarray(x, "float32")
+    return np.select(
+        [x == NAN_CODE, x == FLOAT32_MAX, x == NEG_INF_CODE],
+        [np.float32(np.nan), np.float32(np.inf), np.float32(-np.inf)],
+        x,
+    ).astype("float32")
 
 
 def dense_values(x: Tensor) -> Tensor:

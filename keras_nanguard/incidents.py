@@ -20,6 +20,8 @@ KINDS: dict[str, str] = {
     "nonfinite_metric": "a metric is NaN or inf, the loss is finite",
     "nonfinite_weights": "the weights or the optimizer state are NaN or inf",
     "loss_spike": "the batch loss stayed far above its rolling mean",
+    "loss_blowup": "after a rollback, the batch loss stayed finite but far "
+    "above its level before the first rollback",
     "nonfinite_validation": "a validation figure (val_...) is NaN or inf, the "
     "weights are finite: never trouble",
     "quarantined_samples": "rows of the data were left out of their steps "
@@ -71,7 +73,10 @@ class Incident:
     `"nonfinite_metric"` (a metric is NaN or inf, the loss is finite),
     `"nonfinite_weights"`, `"loss_spike"` (the batch loss stayed far above
     its rolling mean; `step` is where the streak began, `steps` its length,
-    `detail` the figures that triggered it) and `"nonfinite_validation"` (a
+    `detail` the figures that triggered it), `"loss_blowup"` (after a
+    rollback, the batch loss stayed finite but 1000 times or more its level
+    before the first rollback; `step` and `steps` as for a spike) and
+    `"nonfinite_validation"` (a
     `val_` figure is NaN or inf at an epoch's end while the weights are
     finite: recorded, never trouble; `batch` is -1) and
     `"quarantined_samples"` (rows left out of their steps by the

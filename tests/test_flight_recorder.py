@@ -227,7 +227,10 @@ def test_explain_after_nonfinite_error_and_in_the_summary():
     assert found.cause == "policy_collapse"
     assert found.first_bad_step is not None
     assert found.onset_step < found.first_bad_step
-    assert found.lead_steps == found.first_bad_step - found.onset_step
+    assert found.steps_from_onset == found.first_bad_step - found.onset_step
+    # early_warning=False: no warning was given, so it had no lead.
+    assert (found.warned_at_step, found.lead_steps) == (None, None)
+    assert "No warning was given before the first bad step." in str(found)
     assert "Run diagnosis: policy_collapse" in guard.summary()
     assert str(found).startswith("Run diagnosis: policy_collapse")
     assert guard.report()["run_diagnosis"]["cause"] == "policy_collapse"
@@ -279,4 +282,5 @@ def test_a_tiny_denominator_is_the_cause_only_of_a_failed_update():
     gradient = ng.explain(_record([tiny] * 10 + [{**failed, "reason": 1.0}]))
     update = ng.explain(_record([tiny] * 10 + [{**failed, "reason": 2.0}]))
     assert (gradient.cause, update.cause) == ("bad_data", "optimizer_state")
-    assert update.onset_step == 1 and update.lead_steps == 10
+    assert update.onset_step == 1 and update.steps_from_onset == 10
+    assert update.lead_steps is None  # a record read on its own: no warning

@@ -12,6 +12,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
+from tests.helpers import numpy
 
 SPIKE = 124  # epoch 2, batch 12 of 56: the spike's updates are steps 124-126
 EPOCHS = 8  # 448 steps; SPIKE + 100 ends epoch 4
@@ -157,3 +158,51 @@ def test_config_round_trip(tmp_path):
     assert isinstance(revived, ng.NaNGuard)
     assert revived.get_config() == config
     assert ng.NaNGuard().get_config()["loss_spike_sigma"] is None
+
+
+def _warmup_run(callbacks):
+    """The README's explain example with a rollback: a warm-up to 3.0 that a
+    rollback cannot lower (a schedule); the loss blows up again, finite."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 8)).astype("float32")
+    y = np.tanh(x @ rng.normal(size=(8, 1))).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    warmup = keras.optimizers.schedules.PolynomialDecay(0.01, 400, 3.0, power=1.0)
+    model.compile(ng.SafeOptimizer(keras.optimizers.SGD(warmup)), "mse")
+    model.fit(x, y, batch_size=16, epochs=3, callbacks=callbacks, verbose=0)
+    return model, model.evaluate(x, y, verbose=0)
+
+
+@pytest.mark.filterwarnings("ignore:NaNGuard. `lr_factor=0.5` cannot lower")
+def test_a_finite_blowup_after_a_rollback_is_trouble():
+    """Without `loss_spike_sigma`: after the first rollback, a loss 1000x
+    the run's level before it is trouble, so no snapshot of the blown-up
+    state is proven and `fit` ends with a model that is not blown up
+    (without the rule: a loss of 2e14, and no incident after the first)."""
+    guard = ng.NaNGuard(early_warning=False, verbose=0)
+    model, loss = _warmup_run([guard])
+    kinds = [i.kind for i in guard.incidents]
+    first = kinds.index("loss_blowup")
+    # Non-finite trouble first (a rejected step, or an inf loss on the
+    # backends whose MSE overflows first), rolled back; then blow-ups.
+    assert first > 0 and "loss_blowup" not in kinds[:first]
+    assert any("rolled back" in i.action for i in guard.incidents[:first])
+    assert set(kinds[first:]) == {"loss_blowup"}, kinds
+    for i in guard.incidents[first:]:
+        assert "times its level before the first rollback" in i.detail
+    assert guard.incidents[-1].action.endswith(
+        "stopped training after 3 rollbacks without recovery"
+    )
+    # Not blown up by the rule's own measure (the level before the first
+    # rollback is 0.14-0.18 on the three backends): the rollback point is a
+    # snapshot proven before the blow-up.
+    assert loss < 100.0, loss
+    assert all(np.isfinite(w).all() for w in numpy(model.weights))

@@ -71,6 +71,35 @@ def test_the_first_turn_takes_the_first_snapshot():
     assert_bit_identical(weights, numpy(p.model.weights))
 
 
+def test_a_first_snapshot_after_a_step_waits_for_a_healthy_batch():
+    """A model `fit` built in its first step: the state after that step
+    may be ruinous (finite), so it is no rollback point until proven."""
+    p = _parts()
+    p.state.now = p.state.seen = 1  # the first turn comes after step 0
+    p.turns.take(snapshot=True)
+    assert p.state.started and p.keeper.point is None
+    assert [s.step for s in p.keeper.pendings] == [1]
+    with pytest.raises(NonFiniteError, match="no healthy step has proven"):
+        _trouble_at(p, 2)  # step 1 went bad: nothing proven to go back to
+
+
+def test_a_healthy_batch_proves_the_first_snapshot_after_a_step():
+    p = _parts()
+    p.state.now = p.state.seen = 1
+    p.turns.take(snapshot=True)
+    weights = numpy(p.model.weights)
+    with p.state.lock:
+        p.state.watch.healthy_step = 1  # step 1 ended healthy
+    p.state.now = 2
+    p.turns.take(snapshot=True)
+    assert (p.keeper.point.step, p.keeper.pendings) == (1, [])
+    _spoil(p.model)
+    assert _trouble_at(p, 3).action.startswith(
+        "rolled back: restored the snapshot of epoch 0, step 1"
+    )
+    assert_bit_identical(weights, numpy(p.model.weights))
+
+
 def test_a_model_non_finite_before_training_has_nothing_to_protect():
     p = _parts()
     _spoil(p.model, math.nan)
@@ -152,7 +181,7 @@ def test_raise_restores_then_raises_with_the_report():
 
 def test_with_no_rollback_point_trouble_raises():
     p = _parts(policy="rollback")
-    with pytest.raises(NonFiniteError, match="no earlier good state"):
+    with pytest.raises(NonFiniteError, match="no good state to go back to"):
         _trouble_at(p, 1)
     assert p.log.last.action == "raised NonFiniteError: no good state to restore"
 

@@ -87,7 +87,7 @@ def test_figure_helpers():
 def test_batch_losses_are_recovered_from_keras_running_means(values, k):
     """`n·m_n - (n-1)·m_{n-1}`: each execution of `k` batches is recovered
     (as their mean) from two consecutive running means."""
-    spikes = loss_spikes.LossSpikes(sigma=3.0, window=4, patience=2)
+    spikes = loss_spikes.BatchLosses()
     done = 0
     for start in range(0, len(values) - k + 1, k):
         chunk = values[start : start + k]
@@ -98,7 +98,7 @@ def test_batch_losses_are_recovered_from_keras_running_means(values, k):
 
 
 def test_batch_loss_is_unknown_after_a_reset_until_a_segment_starts():
-    spikes = loss_spikes.LossSpikes(sigma=3.0, window=4, patience=2)
+    spikes = loss_spikes.BatchLosses()
     assert spikes.batch_loss(2.0, before=0, counted=1) == 2.0
     spikes.segment_reset()
     assert spikes.batch_loss(3.0, before=5, counted=1) is None  # no previous mean
@@ -134,6 +134,43 @@ def test_a_healthy_loss_ends_a_streak():
     assert spikes.see(50.0, 2, 2) is True  # 2 steps of an execution
     assert spikes.see(1.0, 4, 1) is False
     assert (spikes.streak_from, spikes.streak) == (None, 0)
+
+
+# ------------------------------------------------------------- LossBlowup
+def test_a_blowup_is_only_seen_after_a_rollback():
+    blowup = loss_spikes.LossBlowup()
+    for step, loss in enumerate([0.5, 0.4, 0.3, 0.2, 0.1]):
+        assert blowup.see(loss, step, 1) is False
+    # Before any rollback a loss may grow as it likes (returns that grow).
+    for step in range(5, 9):
+        assert blowup.see(1e6, step, 1) is False
+    assert blowup.level is None
+    blowup.arm()  # the first rollback: the level is the median so far
+    assert blowup.level == 0.5  # of 0.5 ... 0.1 and four losses of 1e6
+    blowup.arm()  # later rollbacks keep the level of the first
+    assert blowup.level == 0.5
+
+
+def test_a_blowup_is_confirmed_after_three_steps_far_above_the_level():
+    blowup = loss_spikes.LossBlowup()
+    for step, loss in enumerate([1.0, 2.0, 3.0]):
+        blowup.see(loss, step, 1)
+    blowup.arm()
+    assert blowup.level == 2.0
+    assert blowup.see(1999.0, 3, 1) is False  # under 1000 times the level
+    assert blowup.see(2000.0, 4, 1) is True  # a streak opens
+    assert blowup.see(None, 5, 1) is True  # an unknown loss keeps it
+    assert blowup.see(10.0, 6, 1) is False  # a healthy loss ends it
+    assert blowup.see(5e3, 7, 2) is True  # an execution of 2 steps
+    found = blowup.see(8e3, 9, 1)
+    assert found == loss_spikes.Blowup(7, 3, 8e3, 2.0)
+    assert found.describe() == (
+        "after a rollback the batch loss stayed above 1000 times its level "
+        "before the first rollback for 3 steps in a row (last loss 8000, "
+        "level 2, the median of the last healthy batches): finite, but the "
+        "run has blown up again."
+    )
+    assert (blowup.streak_from, blowup.streak) == (None, 0)
 
 
 # ---------------------------------------------------------------- Cadence

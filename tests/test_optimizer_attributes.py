@@ -3,6 +3,7 @@ optimizer is the variable of its `Counters`, and a setting set on it reaches
 every part."""
 
 import keras
+import numpy as np
 import pytest
 
 import keras_nanguard as ng
@@ -16,8 +17,18 @@ def test_each_counter_on_the_optimizer_is_its_variable_in_order():
     opt.build([keras.Variable([1.0, 2.0])])
     names = COUNTER_NAMES + WINDOW_NAMES
     own = opt.variables[: len(names)]
-    assert [id(getattr(opt, name)) for name in names] == [id(v) for v in own]
+    # The norms, which may be non-finite, are held as finite codes and read
+    # as their values (NaN, inf included): tensors, not the variables.
+    coded = ("last_grad_norm", "rejected_grad_norm")
+    plain = [(n, v) for n, v in zip(names, own, strict=True) if n not in coded]
+    assert [id(getattr(opt, n)) for n, _ in plain] == [id(v) for _, v in plain]
     assert [v.name for v in own] == list(names)
+    for name in coded:
+        variable = own[names.index(name)]
+        variable.assign(-np.finfo("float32").max)  # the code of NaN
+        assert np.isnan(float(getattr(opt, name)))
+        variable.assign(2.5)
+        assert float(getattr(opt, name)) == 2.5
     # Then the flight recorder's (made by `build`), the inner optimizer's,
     # and nothing twice.
     recorder = opt.variables[len(names) : len(names) + 4]

@@ -40,7 +40,7 @@ def test_a_diverging_run_is_explained_by_its_cause(name):
     assert found.first_bad_step is not None, f"{name} did not diverge"
     assert found.cause == corpus.RUNS[name].cause, str(found)
     assert found.onset_step is not None and found.onset_step <= found.first_bad_step
-    assert found.lead_steps == found.first_bad_step - found.onset_step
+    assert found.steps_from_onset == found.first_bad_step - found.onset_step
     assert found.evidence and found.hints
 
 

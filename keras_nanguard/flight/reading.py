@@ -136,7 +136,13 @@ class RunDiagnosis:
         onset_step: the optimizer step where the decisive signal began to
             drift (None for a healthy run).
         first_bad_step: the first rejected step (None if none).
-        lead_steps: `first_bad_step - onset_step` (None unless both).
+        steps_from_onset: `first_bad_step - onset_step`, as found after the
+            fact (None unless both).
+        warned_at_step: the last step recorded when NaNGuard's early warning
+            was given (None when none was: a record read on its own, a
+            guard with `early_warning=False`, a run that failed unwarned).
+        lead_steps: the warning's lead, `first_bad_step - warned_at_step`
+            (None unless both).
         evidence: the signal's values, in words to check against the curves.
         hints: what to change.
         signal: the column the evidence is read from.
@@ -155,22 +161,26 @@ class RunDiagnosis:
     cause: str
     onset_step: int | None = None
     first_bad_step: int | None = None
-    lead_steps: int | None = None
+    steps_from_onset: int | None = None
     evidence: list[str] = dataclasses.field(default_factory=list)
     hints: list[str] = dataclasses.field(default_factory=list)
     signal: str | None = None
     at_step: int | None = None
+    warned_at_step: int | None = None
+    lead_steps: int | None = None
 
     def __str__(self) -> str:
         lines = [f"Run diagnosis: {self.cause} ({RUN_CAUSES[self.cause]})."]
         if self.first_bad_step is not None:
             lines.append(f"  First bad step: {self.first_bad_step}.")
         if self.onset_step is not None:
-            lead = ""
-            if self.lead_steps is not None:
-                unit = "step" if self.lead_steps == 1 else "steps"
-                lead = f", {self.lead_steps} {unit} before"
-            lines.append(f"  Onset: step {self.onset_step}{lead}.")
+            before = _steps_before(self.steps_from_onset)
+            lines.append(f"  Onset: step {self.onset_step}{before}.")
+        if self.warned_at_step is not None:
+            before = _steps_before(self.lead_steps)
+            lines.append(f"  Warned at step {self.warned_at_step}{before}.")
+        elif self.first_bad_step is not None and self.onset_step is not None:
+            lines.append("  No warning was given before the first bad step.")
         lines += [f"  - {e}" for e in self.evidence]
         if self.hints:
             lines.append("  What to do:")
@@ -179,6 +189,20 @@ class RunDiagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def warned(self, at_step: int | None) -> RunDiagnosis:
+        """This diagnosis with the early warning given at `at_step` (None:
+        none was), and so its lead."""
+        lead = None
+        if at_step is not None and self.first_bad_step is not None:
+            lead = self.first_bad_step - at_step
+        return dataclasses.replace(self, warned_at_step=at_step, lead_steps=lead)
+
+
+def _steps_before(steps: int | None) -> str:
+    if steps is None:
+        return ""
+    return f", {steps} step{'' if steps == 1 else 's'} before the first bad step"
 
 
 # --------------------------------------------------------------- the signals
@@ -520,12 +544,12 @@ def _diagnosis(
     evidence: list[str] | None = None,
     signal: str | None = None,
 ) -> RunDiagnosis:
-    lead = None if bad is None or onset is None else bad - onset
+    steps = None if bad is None or onset is None else bad - onset
     return RunDiagnosis(
         cause,
         onset,
         bad,
-        lead,
+        steps,
         list(evidence or []),
         list(HINTS[cause]),
         signal,

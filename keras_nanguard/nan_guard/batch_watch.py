@@ -18,7 +18,13 @@ import time
 from typing import Any, NamedTuple
 
 from keras_nanguard.nan_guard.figures import EpochFigures, is_loss, nonfinite
-from keras_nanguard.nan_guard.loss_spikes import LossSpikes, Spike
+from keras_nanguard.nan_guard.loss_spikes import (
+    BatchLosses,
+    Blowup,
+    LossBlowup,
+    LossSpikes,
+    Spike,
+)
 from keras_nanguard.safe_optimizer.counters import RECENT_STEPS
 
 REJECTED = "nanguard_rejected_steps"
@@ -32,7 +38,8 @@ class Event:
     """Steps of an execution that need the training thread's attention: a
     run of rejected steps, or the whole execution."""
 
-    kind: str  # "bad_figures", "rejection", "loss_spike" or "quarantine"
+    # "bad_figures", "rejection", "loss_spike", "loss_blowup" or "quarantine"
+    kind: str
     epoch: int
     batch: int  # its first batch in the epoch
     step: int  # its first step in this fit
@@ -43,6 +50,7 @@ class Event:
     run: int = 0  # steps rejected in a row, up to its last one
     continues: bool = False  # the step before was bad too
     spike: Spike | None = None  # what a "loss_spike" event found
+    blowup: Blowup | None = None  # what a "loss_blowup" event found
     # A "quarantine" event's rows: `since` <= i < `until` of the total.
     quarantined: tuple[int, int] | None = None
 
@@ -69,6 +77,8 @@ class BatchWatch:
         quarantined: int = 0,
     ) -> None:
         self.spikes = spikes  # loss-spike detection, when NaNGuard has it on
+        self.losses = BatchLosses()  # each execution's own loss
+        self.blowup = LossBlowup()  # always on, armed by a rollback
         self.rejected = rejected  # a SafeOptimizer's total, as last logged
         self.run = consecutive
         self.overflows = overflows  # the loss-scale overflow skips, likewise
@@ -93,8 +103,7 @@ class BatchWatch:
         self.begins: list[int] = []  # batches begun in this epoch
         self.next_batch = 0
         self.reset_at = None
-        if self.spikes is not None:
-            self.spikes.segment_reset()
+        self.losses.segment_reset()
 
     def first_of(self, batch: int, k: int) -> int:
         """The first batch of the execution that ended at `batch`."""
@@ -111,8 +120,7 @@ class BatchWatch:
         if self.reset_at is not None and step >= self.reset_at:
             self.figures.reset()
             self.reset_at = None
-            if self.spikes is not None:
-                self.spikes.segment_reset()
+            self.losses.segment_reset()
         new, overflows = self._rejections(logs)
         self._quarantined(first, steps, logs)
         if self.run_reset_at is not None and step >= self.run_reset_at:
@@ -133,9 +141,7 @@ class BatchWatch:
             leave_out = True
         before, raw = self.figures.since_reset, logs.get("loss")
         self.figures.add(logs, counted, leave_out)
-        loss = None  # the execution's own loss, for the loss-spike detector
-        if self.spikes is not None:
-            loss = self.spikes.batch_loss(raw, before, counted)
+        loss = self.losses.batch_loss(raw, before, counted)  # the execution's own
         if not (bad_logs or runs):
             self._bad_before = False
             if step >= self.leave_out_until and not self._spiking(loss, step, steps):
@@ -249,24 +255,29 @@ class BatchWatch:
         self.quarantined = total
 
     def _spiking(self, loss: float | None, step: int, steps: int) -> bool:
-        """Feeds a healthy execution's loss to the loss-spike detector.
-        True while a spike streak is open or confirmed: the execution is then
-        not healthy, so no snapshot taken during the streak is promoted."""
-        if self.spikes is None:
-            return False
-        found = self.spikes.see(loss, step, steps)
-        if not isinstance(found, Spike):
-            return found
+        """Feeds a healthy execution's loss to the loss-spike and blow-up
+        rules. True while a streak of either is open or confirmed: the
+        execution is then not healthy, so no snapshot taken during the
+        streak is promoted."""
+        found: Spike | Blowup | bool = self.blowup.see(loss, step, steps)
+        spiking = self.spikes is not None and self.spikes.see(loss, step, steps)
+        if isinstance(spiking, Spike) and not isinstance(found, Blowup):
+            found = spiking
+        if not isinstance(found, Spike | Blowup):
+            return bool(found or spiking)
+        spike = found if isinstance(found, Spike) else None
+        blowup = found if isinstance(found, Blowup) else None
         self.events.append(
             Event(
-                "loss_spike",
+                "loss_spike" if spike is not None else "loss_blowup",
                 self.epoch,
                 max(0, found.step - self.base),
                 found.step,
                 found.steps,
                 {"loss": found.loss},
                 [],
-                spike=found,
+                spike=spike,
+                blowup=blowup,
             )
         )
         # The state is bad: nothing is healthy and the figures leave the
@@ -299,6 +310,7 @@ class BatchWatch:
             self.leave_out_until = step
         if restored:
             self.run_reset_at = step
+            self.blowup.arm()  # and ends its streak on the undone state
             if self.spikes is not None:  # a streak on the undone state ends
                 self.spikes.streak_from, self.spikes.streak = None, 0
 

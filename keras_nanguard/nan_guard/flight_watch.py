@@ -13,6 +13,7 @@ from keras_nanguard.flight import reading as _explain
 from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.nan_guard.fit_state import FitState
 from keras_nanguard.safe_optimizer.flight_record import FlightRecord
+from keras_nanguard.safe_optimizer.forward_state import is_built
 
 
 class FlightWatch:
@@ -22,12 +23,15 @@ class FlightWatch:
         self.record: FlightRecord | None = None
         self.read_at = 0  # `state.now` at the last read in this fit
         self.warned = False  # this fit's warning was given
+        # The step of the last warning given on this record (None: none).
+        self.warned_at: int | None = None
         self._source: int | None = None  # id of the optimizer recorded
 
     def begin_fit(self, state: FitState) -> None:
         self.read_at, self.warned = 0, False
         if state.safe is not None and id(state.safe) != self._source:
             self.record, self._source = None, id(state.safe)
+            self.warned_at = None
 
     def due(self, state: FitState) -> bool:
         if state.safe is None or state.now < 1:
@@ -37,7 +41,7 @@ class FlightWatch:
 
     def read(self, state: FitState) -> None:
         """Adds the recorder's rows to the record (a host read)."""
-        if state.safe is None or not state.net.built:
+        if state.safe is None or not is_built(state.net):
             return
         snapshots.sync_from_device(state.net)
         new = state.safe.flight_record()
@@ -53,6 +57,8 @@ class FlightWatch:
             return None
         found = _explain.warning(self.record)
         self.warned = found is not None
+        if found is not None:
+            self.warned_at = found.at_step
         return found
 
     def explain(self) -> RunDiagnosis:
@@ -66,4 +72,4 @@ class FlightWatch:
                 ],
                 hints=list(_explain.HINTS["unknown"]),
             )
-        return _explain.explain(self.record)
+        return _explain.explain(self.record).warned(self.warned_at)

@@ -1,10 +1,21 @@
-"""Loss-spike detection for NaNGuard's batch-end side: Python floats only.
+"""Finite loss trouble for NaNGuard's batch-end side: Python floats only.
 
 Keras logs the loss as a running mean over the batches since its metric
 states were last reset; a batch's own loss is recovered from two
-consecutive running means, `n·m_n - (n-1)·m_{n-1}` (per batch: exact for
-equal batch sizes; a smaller last batch is pulled toward the mean, which
-can only weaken its signal, never raise a false alarm).
+consecutive running means, `n·m_n - (n-1)·m_{n-1}` (`BatchLosses`; per
+batch: exact for equal batch sizes; a smaller last batch is pulled toward
+the mean, which can only weaken its signal, never raise a false alarm).
+
+Two rules read those losses. `LossSpikes` (with `loss_spike_sigma`, off by
+default): a loss many standard deviations above its rolling mean.
+`LossBlowup` (always on, armed only after a rollback): a finite loss
+`BLOWUP_FACTOR` times the level the run was at before its first rollback,
+for `BLOWUP_PATIENCE` steps in a row. A run whose rate a rollback could not
+lower (a schedule) can blow up again without a non-finite value: its
+snapshots are then proven by batches of finite but ruinous loss, and `fit`
+would return a model with a loss of 1e9 and say nothing. Before any
+rollback the rule is off: a healthy run's loss may rise far above its
+early level (a reinforcement-learning agent whose returns grow).
 """
 
 from __future__ import annotations
@@ -12,6 +23,37 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
+
+# A loss this many times the level before the first rollback ...
+BLOWUP_FACTOR = 1000.0
+# ... for this many steps in a row is a blow-up.
+BLOWUP_PATIENCE = 3
+# The level: the median of the last healthy batch losses before it.
+BLOWUP_WINDOW = 100
+
+
+class BatchLosses:
+    """Each execution's own loss, from Keras's running means of it."""
+
+    def __init__(self) -> None:
+        self._mean: float | None = None  # Keras's last running mean of the loss
+
+    def segment_reset(self) -> None:
+        """Keras's running means restart (a new epoch, or a metrics reset)."""
+        self._mean = None
+
+    def batch_loss(self, raw: object, before: int, counted: int) -> float | None:
+        """The mean loss of the `counted` batches just folded into Keras's
+        running mean `raw` (which held `before` batches), if recoverable."""
+        prev, self._mean = self._mean, _float(raw)
+        if counted <= 0 or self._mean is None:
+            return None
+        if before == 0:
+            return self._mean
+        if prev is None:
+            return None
+        return ((before + counted) * self._mean - before * prev) / counted
 
 
 @dataclasses.dataclass
@@ -34,31 +76,71 @@ class Spike:
         )
 
 
+@dataclasses.dataclass
+class Blowup:
+    """A confirmed blow-up of the loss after a rollback, in figures."""
+
+    step: int  # the first step of the streak
+    steps: int  # the steps in the streak
+    loss: float  # the last batch loss of the streak
+    level: float  # the run's loss before its first rollback
+
+    def describe(self) -> str:
+        return (
+            f"after a rollback the batch loss stayed above {BLOWUP_FACTOR:g} "
+            f"times its level before the first rollback for {self.steps} "
+            f"steps in a row (last loss {self.loss:.4g}, level {self.level:.4g}, "
+            f"the median of the last healthy batches): finite, but the run "
+            "has blown up again."
+        )
+
+
+class LossBlowup:
+    """The loss's level before the first rollback, and the open streak of
+    losses far above it (see the module)."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[float] = collections.deque(maxlen=BLOWUP_WINDOW)
+        self.level: float | None = None  # set at the first rollback
+        self.streak_from: int | None = None  # first step of the open streak
+        self.streak = 0
+
+    def arm(self) -> None:
+        """A rollback: the level is the run's before the first one."""
+        if self.level is None and self.recent:
+            self.level = statistics.median(self.recent)
+        self.streak_from, self.streak = None, 0
+
+    def see(self, loss: float | None, step: int, steps: int) -> Blowup | bool:
+        """Feeds a healthy execution's loss. Returns a `Blowup` when a streak
+        reaches `BLOWUP_PATIENCE` steps, `True` while one is open."""
+        if loss is None:
+            return self.streak_from is not None
+        if self.level is None:  # not armed: no rollback yet
+            self.recent.append(loss)
+            return False
+        if loss < BLOWUP_FACTOR * max(self.level, 1e-12):
+            self.streak_from, self.streak = None, 0
+            return False
+        if self.streak_from is None:
+            self.streak_from = step
+        self.streak += steps
+        if self.streak < BLOWUP_PATIENCE:
+            return True
+        found = Blowup(self.streak_from, self.streak, loss, self.level)
+        self.streak_from, self.streak = None, 0
+        return found
+
+
 class LossSpikes:
-    """Rolling statistics of healthy batch losses, and the open streak."""
+    """Rolling statistics of healthy batch losses, and the open streak
+    (with `loss_spike_sigma`)."""
 
     def __init__(self, sigma: float, window: int, patience: int) -> None:
         self.sigma, self.patience, self.window = sigma, patience, window
         self.losses: collections.deque[float] = collections.deque(maxlen=window)
         self.streak_from: int | None = None  # first step of the open streak
         self.streak = 0
-        self._mean: float | None = None  # Keras's last running mean of the loss
-
-    def segment_reset(self) -> None:
-        """Keras's running means restart (a new epoch, or a metrics reset)."""
-        self._mean = None
-
-    def batch_loss(self, raw: object, before: int, counted: int) -> float | None:
-        """The mean loss of the `counted` batches just folded into Keras's
-        running mean `raw` (which held `before` batches), if recoverable."""
-        prev, self._mean = self._mean, _float(raw)
-        if counted <= 0 or self._mean is None:
-            return None
-        if before == 0:
-            return self._mean
-        if prev is None:
-            return None
-        return ((before + counted) * self._mean - before * prev) / counted
 
     def see(self, loss: float | None, step: int, steps: int) -> Spike | bool:
         """Feeds a healthy execution's loss. Returns a `Spike` when a streak

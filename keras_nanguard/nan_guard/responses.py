@@ -135,11 +135,13 @@ class Responses:
         inc.action = "raised NonFiniteError: no good state to restore"
         self.write_report()
         raise NonFiniteError(
-            f"NaNGuard: {inc} The first step made the model non-finite and "
-            "there is no earlier good state: the model was built by `fit`, "
-            "so NaNGuard could take its first snapshot only after that "
-            "step. Build the model before `fit` (`keras.Input` or "
-            "`model.build(input_shape)`), or use a SafeOptimizer.",
+            f"NaNGuard: {inc} There is no good state to go back to: the "
+            "model was built by `fit`, so NaNGuard could take its first "
+            "snapshot only after the first step, and no healthy step has "
+            "proven that state since (a first step can be finite and still "
+            "ruinous). Build the model before `fit` (`keras.Input` or "
+            "`model.build(input_shape)`) so that the state training starts "
+            "from is the rollback point.",
             report=self.report(),
         )
 

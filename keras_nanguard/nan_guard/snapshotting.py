@@ -119,9 +119,13 @@ class Snapshotter:
         if optimizer is not None and not optimizer.built:
             optimizer.build(state.net.trainable_variables)
         snap, bad = self.capture(verify=True)
-        if snap is not None:
+        if snap is not None and state.now == 0:  # the state training starts from
             self.keep(snap)
             state.restored_at = state.now  # the state is the rollback point's
+        elif snap is not None:
+            # A model `fit` built in its first step: the state after that
+            # step is no rollback point until a healthy batch proves it.
+            self.keeper.add(snap)
         elif state.now == 0:
             raise NonFiniteError(
                 "NaNGuard: the model is already non-finite before training starts "

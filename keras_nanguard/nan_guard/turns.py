@@ -30,6 +30,7 @@ from keras_nanguard.nan_guard.incident_log import IncidentLog, rejected_words
 from keras_nanguard.nan_guard.responses import Responses
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
 from keras_nanguard.nan_guard.snapshotting import Snapshotter
+from keras_nanguard.safe_optimizer.forward_state import is_built
 
 _IN_SNAPSHOT = "found while taking a snapshot."
 
@@ -78,7 +79,7 @@ class Turns:
             healthy = state.watch.healthy_step
             step_seconds = state.watch.step_seconds
         steps, state.seen = state.now - state.seen, state.now
-        if not state.started and state.net.built:
+        if not state.started and is_built(state.net):
             if state.safe is not None and self.settings.quarantine:
                 snapshots.sync_from_device(state.net)
                 state.quarantine_base = int(state.safe.counters()["quarantine_steps"])
@@ -133,8 +134,8 @@ class Turns:
         """Makes an incident of `ev`, or adds it to the open one."""
         if ev.kind == "rejection":
             self._on_rejection(ev)
-        elif ev.kind == "loss_spike":
-            self._on_loss_spike(ev)
+        elif ev.kind in ("loss_spike", "loss_blowup"):
+            self._on_loss_trouble(ev)
         elif ev.kind == "quarantine":
             self._on_quarantine(ev)
         elif ev.step >= self.state.resumed_at:  # else it ran on an undone state
@@ -160,21 +161,24 @@ class Turns:
         else:  # Keras's running means hold the bad batch: start them afresh
             self.responses.reset_metrics(self.state.now)
 
-    def _on_loss_spike(self, ev: Event) -> None:
-        """A confirmed loss spike: trouble. The rollback point predates the
-        streak (no snapshot is promoted while a streak is open, and
-        `Responses.trouble` drops the pending ones: the PaLM recipe)."""
+    def _on_loss_trouble(self, ev: Event) -> None:
+        """A confirmed loss spike or blow-up: trouble. The rollback point
+        predates the streak (no snapshot is promoted while a streak is open,
+        and `Responses.trouble` drops the pending ones: the PaLM recipe)."""
         state = self.state
         if ev.step < state.resumed_at:  # it ran on a state since undone
             with state.lock:  # undo the worker's hold on the figures
                 if state.watch.leave_out_until == math.inf:
                     state.watch.leave_out_until = state.now
             return
-        spike, sigma = ev.spike, self.settings.loss_spike_sigma
-        # Only the loss-spike rule, on when `loss_spike_sigma` is set, makes them.
-        assert spike is not None and sigma is not None
+        if ev.blowup is not None:
+            detail = ev.blowup.describe()
+        else:  # the loss-spike rule, on when `loss_spike_sigma` is set
+            sigma = self.settings.loss_spike_sigma
+            assert ev.spike is not None and sigma is not None
+            detail = ev.spike.describe(sigma)
         self.log.close()  # a new episode, whatever came before
-        self.responses.record(ev, "loss_spike", spike.describe(sigma), [])
+        self.responses.record(ev, ev.kind, detail, [])
         self.responses.trouble()
         if self.settings.policy == "warn":  # training goes on as it is
             self.responses.reset_metrics(state.now)

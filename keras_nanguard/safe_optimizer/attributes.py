@@ -9,6 +9,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 import keras
 
+from keras_nanguard import _kernels as kernels
 from keras_nanguard.safe_optimizer.counters import Counters
 from keras_nanguard.safe_optimizer.settings import Settings
 
@@ -53,10 +54,15 @@ class SettingAttribute(Generic[T]):
 
 class CounterAttribute:
     """One of the optimizer's `Counters` (a `keras.Variable`), read on it as
-    `opt.<name>`, e.g. `int(opt.skipped_steps)`."""
+    `opt.<name>`, e.g. `int(opt.skipped_steps)`. A `coded` counter (a norm
+    that may be non-finite, held as a finite code) reads as its value, NaN
+    or inf included: a tensor, not the variable."""
 
-    def __init__(self, of: Callable[[Counters], keras.Variable | None]) -> None:
+    def __init__(
+        self, of: Callable[[Counters], keras.Variable | None], coded: bool = False
+    ) -> None:
         self._of = of
+        self._coded = coded
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -79,6 +85,8 @@ class CounterAttribute:
                 f"SafeOptimizer has no `{self._name}`"
                 + (" without `spike_factor`" if counters is not None else "")
             )
+        if self._coded:
+            return kernels.decode_finite(variable.value)
         return variable
 
     def __set__(self, obj: _Owner, value: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
+from keras_nanguard import _kernels as kernels
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
@@ -26,6 +27,9 @@ from keras_nanguard.safe_optimizer.settings import Settings
 
 # `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
 RECENT_STEPS = 30
+# A run whose last `FROZEN_STEPS` steps were all rejected has stopped
+# training while looking as if it ran: said at the end of `fit`.
+FROZEN_STEPS = RECENT_STEPS
 # `quarantine_log` names the last `QUARANTINE_LOG_ROWS` quarantined rows.
 QUARANTINE_LOG_ROWS = 512
 
@@ -48,8 +52,7 @@ def _counter(
     """A counter field's metadata: a scalar variable of `dtype` starting at
     `initial`, holding what `doc` says.
     A `history` counter is a report of what happened: NaNGuard's snapshots
-    neither check it nor restore it (`last_grad_norm` is NaN after a NaN
-    step, by design); the others (control state the step reads, and
+    neither check it nor restore it; the others (control state the step reads, and
     `accepted_grad_norm`, always finite) are restored with the model."""
     return {
         "dtype": dtype,
@@ -126,7 +129,9 @@ class Counters:
         metadata=_counter(
             "float32",
             0.0,
-            "Global norm of the last step's raw gradients.",
+            "Global norm of the last step's raw gradients (read it with "
+            "`counters()` or as `opt.last_grad_norm`: the variable holds a "
+            "non-finite norm as a finite code, `_kernels.to_finite`).",
             history=True,
         )
     )
@@ -135,7 +140,7 @@ class Counters:
             "float32",
             0.0,
             "Global norm of the last rejected step's raw gradients (NaN after "
-            "a loss scaler's skip).",
+            "a loss scaler's skip; coded as `last_grad_norm`).",
             history=True,
         )
     )
@@ -302,12 +307,12 @@ class Counters:
         bad_grad = ~step.grads_ok
         bad_update = ops.logical_and(step.grads_ok, ~step.update_ok)
         self._count_outcome(ok, bad_grad, bad_update, step.clipped)
-        self.last_grad_norm.assign(norm)
+        self.last_grad_norm.assign(kernels.to_finite(norm))
         self.accepted_grad_norm.assign(
             ops.where(ok, norm, self.accepted_grad_norm.value)
         )
         self.rejected_grad_norm.assign(
-            ops.where(ok, self.rejected_grad_norm.value, norm)
+            ops.where(ok, self.rejected_grad_norm.value, kernels.to_finite(norm))
         )
         reason = ops.where(
             bad_grad,
@@ -418,7 +423,7 @@ class Counters:
             ops.where(skipped, -1, self.last_nonfinite_index.value)
         )
         self.rejected_grad_norm.assign(  # the scaled gradients' norm: not finite
-            ops.where(skipped, float("nan"), self.rejected_grad_norm.value)
+            ops.where(skipped, kernels.NAN_CODE, self.rejected_grad_norm.value)
         )
 
     def record_quarantine(self, codes: Any, over: Any) -> None:
@@ -481,7 +486,9 @@ class Counters:
         for f in SCALAR_FIELDS:
             value = ops.convert_to_numpy(named[f.name])
             out[f.name] = (
-                float(value) if f.metadata["dtype"] == "float32" else int(value)
+                float(kernels.from_finite(value))
+                if f.metadata["dtype"] == "float32"
+                else int(value)
             )
         return out
 
@@ -547,6 +554,24 @@ class Counters:
             f"rejected {c['consecutive_skips']} steps in a row "
             f"(max_consecutive_skips={self.settings.max_consecutive_skips}) and "
             f"halted; last, {self.describe_last_rejection(names, values)}."
+        )
+
+    def frozen_message(
+        self, names: Sequence[str], values: Sequence[Any] | None = None
+    ) -> str:
+        """What to say when the last `FROZEN_STEPS` steps or more were all
+        rejected (a host read), else `""`."""
+        c = self.read(values)
+        run = int(c["consecutive_skips"])
+        if run < FROZEN_STEPS:
+            return ""
+        return (
+            f"SafeOptimizer rejected the last {run} steps in a row "
+            f"({c['skipped_steps']} in all); last, "
+            f"{self.describe_last_rejection(names, values)}. Nothing was "
+            "applied in those steps: training is not making progress. Lower "
+            "the learning rate, check the data, or let NaNGuard roll back "
+            "(callbacks=[ng.NaNGuard()])."
         )
 
     def check_halted(

@@ -142,10 +142,12 @@ class FlightRecorder:
 
         self.steps = make("flight_steps", (), "int32", 0)
         self.probes = make("flight_probes", (), "int32", 0)
-        # One scratch row each: writes that are not due go there.
-        self.ring = make("flight_ring", (RING_STEPS + 1, width), "float32", math.nan)
+        # One scratch row each: writes that are not due go there. Rows past
+        # the counts hold no step (`read` leaves them out); values are
+        # written as `kernels.to_finite` codes, so every variable is finite.
+        self.ring = make("flight_ring", (RING_STEPS + 1, width), "float32", 0.0)
         self.history = make(
-            "flight_history", (HISTORY_PROBES + 1, width), "float32", math.nan
+            "flight_history", (HISTORY_PROBES + 1, width), "float32", 0.0
         )
 
     def variables(self) -> list[keras.Variable]:
@@ -207,6 +209,7 @@ class FlightRecorder:
         self._write(row, step, probe)
 
     def _write(self, row: Any, step: Any, probe: Any) -> None:
+        row = kernels.to_finite(row)
         at = ops.mod(step - 1, RING_STEPS)
         backend.assign_block(self.ring, at, 0, row)
         probes = self.probes.value
@@ -320,6 +323,7 @@ class FlightRecorder:
             probe = self.ring.value[at, COLUMN["probe"]] > 0
             values = ops.cond(probe, batch_figures, loss_only)
         first = COLUMN[_OBSERVED[0]]
+        values = kernels.to_finite(values)
         backend.assign_block(self.ring, at, first, values)
         slot = ops.where(
             probe, ops.mod(self.probes.value - 1, HISTORY_PROBES), HISTORY_PROBES
@@ -334,7 +338,8 @@ class FlightRecorder:
             values = [ops.convert_to_numpy(v.value) for v in self.variables()]
         arrays = [np.asarray(v) for v in values]
         steps, probes = int(arrays[0]), int(arrays[1])
-        ring, history = arrays[2][:RING_STEPS], arrays[3][:HISTORY_PROBES]
+        ring = kernels.from_finite(arrays[2][:RING_STEPS])
+        history = kernels.from_finite(arrays[3][:HISTORY_PROBES])
         first = max(0, steps - RING_STEPS)
         ring_rows = ring[[i % RING_STEPS for i in range(first, steps)]]
         first = max(0, probes - HISTORY_PROBES)

@@ -47,9 +47,11 @@ def build_for(model: keras.Model, data: Any) -> None:
     On TensorFlow without a distribution strategy, Keras builds the model
     while it traces the first training step, after the state to keep must be
     known; building it symbolically first creates that state, with no
-    computation in the step.
+    computation in the step. A model with no `call()` (a VAE or GAN of
+    Keras's examples, whose `train_step` calls its sub-models) has nothing to
+    build from a batch: its state is its sub-models', built already.
     """
-    if model.built:
+    if model.built or not has_call(model):
         return
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     spec = keras.tree.map_structure(
@@ -58,3 +60,18 @@ def build_for(model: keras.Model, data: Any) -> None:
     )
     model.compute_output_spec(spec)
     model.built = True
+
+
+def has_call(model: keras.Model) -> bool:
+    """Whether `model` has a forward pass of its own: a functional or
+    Sequential model, or a subclass that defines `call()`."""
+    return type(model).call is not keras.Model.call
+
+
+def is_built(model: keras.Model) -> bool:
+    """Whether `model` has its variables: built, or with no `call()` of its
+    own, every sub-layer built (Keras marks such a model built only once a
+    step has run; its state is its sub-models')."""
+    if model.built:
+        return True
+    return not has_call(model) and all(layer.built for layer in model.layers)

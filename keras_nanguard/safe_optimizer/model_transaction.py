@@ -15,13 +15,14 @@ import keras
 from keras import ops
 
 from keras_nanguard._backend import current as backend
-from keras_nanguard.safe_optimizer import loss_scaling, step_ops
+from keras_nanguard.safe_optimizer import loss_scaling, on_batch, step_ops
 from keras_nanguard.safe_optimizer import observer as observing
 from keras_nanguard.safe_optimizer.counters import Counters
 from keras_nanguard.safe_optimizer.flight_recorder import FlightRecorder
 from keras_nanguard.safe_optimizer.forward_state import (
     build_for,
     forward_state,
+    is_built,
     read,
     select,
 )
@@ -56,6 +57,9 @@ class ModelTransaction:
         self.observer = observing.StepObserver()
         self.applied = False  # set by `step_begins`, so a guard can tell one ran
         self.in_fit = False  # inside an attached `fit` step
+        # Tracing or running `train_on_batch`'s step: its logs are the
+        # step's own, as Keras returns them (see `on_batch`).
+        self._raw_logs = False
         # The model of the transaction a step runs in (`None` outside one).
         self.model: keras.Model | None = None
         self.attached = False  # attached to a model at some point
@@ -100,6 +104,7 @@ class ModelTransaction:
         train_step._nanguard_optimizer = self.optimizer  # type: ignore[attr-defined]
         train_step._nanguard_original = original  # type: ignore[attr-defined]
         model.train_step = train_step
+        on_batch.wrap(model, self.raw_logs)
         self.attached = True
         _remake_train_function(model)
 
@@ -117,6 +122,7 @@ class ModelTransaction:
             del model.train_step  # the class's own step again
         else:
             model.train_step = original  # a step the user had set
+        on_batch.unwrap(model)
         self.attached = False
         _remake_train_function(model)
 
@@ -310,7 +316,7 @@ class ModelTransaction:
     def transaction(self, model: keras.Model) -> contextlib.AbstractContextManager:
         """A custom step as a whole-model transaction
         (`SafeOptimizer.transaction`)."""
-        if not model.built:
+        if not is_built(model):
             raise ValueError(
                 "`transaction(model)` needs a built model (call it on a batch "
                 f"first), to know its state. Received: model={model.name!r}, "
@@ -361,14 +367,26 @@ class ModelTransaction:
         accepted = self._accepted(list(optimizer_variables), self.optimizer.variables)
         return select(accepted, list(before), list(after))
 
+    @contextlib.contextmanager
+    def raw_logs(self) -> Iterator[None]:
+        """Steps traced or run inside log what the step logged, not the
+        metrics as the transaction left them (`train_on_batch`)."""
+        self._raw_logs = True
+        try:
+            yield
+        finally:
+            self._raw_logs = False
+
     def _step_logs(self, model: keras.Model, logs: Any) -> Any:
         """A `fit` step's logs after the transaction: the metrics as they are
-        (a rejected step left them out), and training health figures."""
+        (a rejected step left them out), and training health figures;
+        `train_on_batch`'s keep the step's own figures."""
         if not isinstance(logs, dict):
             return logs  # a custom train_step's own structure
         logs = dict(logs)
-        fresh = model.get_metrics_result()
-        logs.update({k: v for k, v in fresh.items() if k in logs})
+        if not self._raw_logs:
+            fresh = model.get_metrics_result()
+            logs.update({k: v for k, v in fresh.items() if k in logs})
         figures = self._figures(model)
         # Copies, not the variables: `run_eagerly` on TensorFlow hands the
         # logs on as they are, and torch's callbacks may read them in

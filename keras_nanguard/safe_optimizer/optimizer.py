@@ -156,8 +156,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     nonfinite_gradient_steps = CounterAttribute(lambda c: c.nonfinite_gradient_steps)
     nonfinite_update_steps = CounterAttribute(lambda c: c.nonfinite_update_steps)
     clipped_steps = CounterAttribute(lambda c: c.clipped_steps)
-    last_grad_norm = CounterAttribute(lambda c: c.last_grad_norm)
-    rejected_grad_norm = CounterAttribute(lambda c: c.rejected_grad_norm)
+    last_grad_norm = CounterAttribute(lambda c: c.last_grad_norm, coded=True)
+    rejected_grad_norm = CounterAttribute(lambda c: c.rejected_grad_norm, coded=True)
     last_rejection = CounterAttribute(lambda c: c.last_rejection)
     last_nonfinite_index = CounterAttribute(lambda c: c.last_nonfinite_index)
     lr_scale = CounterAttribute(lambda c: c.lr_scale)
@@ -322,13 +322,18 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.iterations.assign(value)
 
     def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
-        # The end of `fit` is a point on the host: a halt is said there.
+        # The end of `fit` is a point on the host: a halt, or a run frozen
+        # by rejections, is said there (one read).
         if self.max_consecutive_skips is not None and self._counters.halted():
             warnings.warn(
                 f"SafeOptimizer halted: {self._counters.halt_message(self._names())} "
                 "Every step after the halt was rejected.",
                 stacklevel=2,
             )
+        elif self.built:
+            frozen = self._counters.frozen_message(self._names())
+            if frozen:
+                warnings.warn(frozen, stacklevel=2)
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # ------------------------------------------------------------ the step
