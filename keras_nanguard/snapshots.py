@@ -54,29 +54,67 @@ def seed_states(model: keras.Model) -> list[keras.Variable]:
     return [v for v in model.variables if id(v) not in weights]
 
 
+def model_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer]:
+    """The optimizers `model` trains with, by the attribute that holds them:
+    `model.optimizer`, then any the model holds itself (a GAN of Keras's
+    examples compiles with `d_optimizer` and `g_optimizer` and calls
+    `super().compile()` with none), each once."""
+    found: dict[str, keras.optimizers.Optimizer] = {}
+    seen: set[int] = set()
+    held = [("optimizer", getattr(model, "optimizer", None))]
+    held += [(k, v) for k, v in vars(model).items() if not k.startswith("_")]
+    for name, value in held:
+        if isinstance(value, keras.optimizers.Optimizer) and id(value) not in seen:
+            found[name] = value
+            seen.add(id(value))
+    return found
+
+
+def unbuilt_optimizers(model: keras.Model) -> list[str]:
+    """The optimizers the model holds besides `model.optimizer` that are not
+    built yet: they make their variables at their first step, so the state
+    to snapshot is known only after it."""
+    return [
+        name
+        for name, opt in model_optimizers(model).items()
+        if name != "optimizer" and not opt.built
+    ]
+
+
+def optimizer_variables(model: keras.Model) -> list[keras.Variable]:
+    """The variables of every optimizer the model holds (built), each once."""
+    variables: list[keras.Variable] = []
+    seen: set[int] = set()
+    for optimizer in model_optimizers(model).values():
+        if optimizer.built:
+            new = [v for v in optimizer.variables if id(v) not in seen]
+            seen.update(id(v) for v in new)
+            variables += new
+    return variables
+
+
 def tracked(model: keras.Model) -> list[keras.Variable]:
     """What a snapshot copies, in the order of `Snapshot.values`: the
-    weights, the optimizer's variables, the random streams."""
-    variables = list(model.weights)
-    if getattr(model, "optimizer", None) is not None and model.optimizer.built:
-        variables += list(model.optimizer.variables)
-    return variables + seed_states(model)
+    weights, the optimizers' variables, the random streams."""
+    return list(model.weights) + optimizer_variables(model) + seed_states(model)
 
 
 def unchecked(model: keras.Model) -> set[int]:
     """The ids of the tracked variables that a restore leaves as they are."""
     # What a restore leaves as it is, a snapshot does not check: the report
-    # values, and the learning rate (a setting callbacks change, e.g. a
+    # values, and the learning rates (a setting callbacks change, e.g. a
     # `LearningRateSpike` to inf for one step, which SafeOptimizer rejects).
-    skip = _reports(getattr(model, "optimizer", None))
-    lr = learning_rate_variable(model)
-    if lr is not None:
-        skip.add(id(lr))
+    skip: set[int] = set()
+    for optimizer in model_optimizers(model).values():
+        skip |= _reports(optimizer)
+        lr = getattr(optimizer, "learning_rate", None)
+        if isinstance(lr, keras.Variable):
+            skip.add(id(lr))
     return skip
 
 
 def _reports(optimizer: Any) -> set[int]:
-    # SafeOptimizer's report values (a NaN gradient norm, ...) are not state.
+    # SafeOptimizer's report values (the flight recorder, ...) are not state.
     safe = find_safe_optimizer(optimizer)
     if safe is None:
         return set()
@@ -86,7 +124,7 @@ def _reports(optimizer: Any) -> set[int]:
 
 def optimizer_state(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
     """The optimizer's variables that are state, without SafeOptimizer's
-    report values (`last_grad_norm` is NaN after a NaN step, by design)."""
+    report values (its counters of what happened, its flight recorder)."""
     skip = _reports(optimizer)
     return [v for v in optimizer.variables if id(v) not in skip]
 

@@ -13,7 +13,10 @@ The thresholds, and why (healthy runs of the corpus in brackets):
 - update-to-weight ratio (largest over the layers, at probes): onset 0.05,
   warning when 2 of the last 3 probes are above 0.05 and the loss has gone
   up to 10 times its lowest [healthy: <= 0.03; early training of small
-  models at a high workable rate reaches 0.2, its loss falling];
+  models at a high workable rate reaches 0.2, its loss falling]; after a
+  failure, the cause when one of the last 2 probes was above 0.05 with the
+  loss climbing, or one was 0.5 or more (a step that moved the weights by
+  half their norm: Adam's first step at a rate 1000x too high);
 - the optimizer's smallest denominator `sqrt(v) + epsilon`: onset 1e-9 (named
   the cause only when the first bad step is a non-finite update),
   warning 1e-12 [healthy: >= epsilon, 1e-7 for Keras's Adam];
@@ -116,6 +119,7 @@ HINTS: dict[str, list[str]] = {
 }
 
 RATIO_ONSET = 0.05
+RATIO_RUINOUS = 0.5
 STATE_ONSET, STATE_WARN = 1e-9, 1e-12
 PROB_ONSET, PROB_WARN = 1e-10, 1e-14
 INPUT_UNNORMALISED = 50.0
@@ -400,7 +404,14 @@ def _learning_rate(s: _Signals, warn: bool) -> tuple | None:
     if warn:
         if not ((high[-3:].sum() >= 2 and _worsening(s)) or _exploding(s)):
             return None
-    elif not (high[-2:].any() or _exploding(s)):  # high up to the failure
+    # After a failure: high up to it, and the loss climbing (early training
+    # at a high but workable rate, Adam's first steps above all, has high
+    # ratios too, with a falling loss: a bad batch there is not the rate).
+    elif not (
+        (high[-2:].any() and _worsening(s))
+        or (r[-2:] >= RATIO_RUINOUS).any()
+        or _exploding(s)
+    ):
         return None
     onset = _first(s.probe_steps, high)
     if onset is None:

@@ -19,9 +19,11 @@ from typing import Any
 import keras
 
 from keras_nanguard import snapshots
+from keras_nanguard.nan_guard import telling
 from keras_nanguard.nan_guard.batch_watch import BatchWatch, watch_for_fit
 from keras_nanguard.nan_guard.cadence import Cadence
-from keras_nanguard.nan_guard.safe_counters import SafeCounters
+from keras_nanguard.nan_guard.safe_counters import SafeCounters, SafeOptimizers
+from keras_nanguard.safe_optimizer import SafeOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,25 +100,33 @@ class FitState:
 
 def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
     """The state of fit number `fit` of `net`, which begins now on this
-    thread: its SafeOptimizer, if any, attached (a rejected step then keeps
+    thread: its SafeOptimizers, if any (see `safe_optimizers_of`), the one
+    compiled as `model.optimizer` attached (a rejected step then keeps
     BatchNormalization statistics too), and its batch-end side started from
-    the SafeOptimizer's totals (one read per fit)."""
-    safe = snapshots.find_safe_optimizer(net.optimizer)
-    if settings.quarantine and safe is None:
+    their totals (one read per fit)."""
+    named = safe_optimizers_of(net)
+    safe: SafeCounters | None = None
+    if len(named) == 1:
+        safe = next(iter(named.values()))
+    elif named:
+        safe = SafeOptimizers(named)
+    attachable = "optimizer" in named
+    if settings.quarantine and not attachable:
         raise ValueError(
             "`NaNGuard(quarantine=True)` leaves bad rows out of the steps of a "
             "SafeOptimizer: compile the model with one, e.g. "
             "`optimizer=ng.SafeOptimizer(keras.optimizers.Adam())`. Received: "
             f"model.optimizer={net.optimizer!r}"
         )
-    if safe is not None and settings.quarantine:
+    if safe is not None and attachable and settings.quarantine:
         safe.attach(
             net,
             quarantine=True,
             max_quarantine_fraction=settings.max_quarantine_fraction,
         )
-    elif safe is not None:  # a quarantine the user attached with is kept
+    elif safe is not None and attachable:  # a quarantine the user attached is kept
         safe.attach(net)
+    _warn_unattached(net, [name for name in named if name != "optimizer"])
     if safe is not None:
         snapshots.sync_from_device(net)
     watch = watch_for_fit(
@@ -137,4 +147,33 @@ def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
             settings.snapshot_every, settings.snapshot_budget, min_every=10
         ),
         check_cadence=Cadence(settings.check_every, 0.01, min_every=1),
+    )
+
+
+def safe_optimizers_of(net: keras.Model) -> dict[str, SafeOptimizer]:
+    """The SafeOptimizers among the optimizers `net` trains with
+    (`snapshots.model_optimizers`), each once, by the attribute holding it."""
+    found: dict[str, SafeOptimizer] = {}
+    for name, optimizer in snapshots.model_optimizers(net).items():
+        safe = snapshots.find_safe_optimizer(optimizer)
+        if safe is not None and all(safe is not s for s in found.values()):
+            found[name] = safe
+    return found
+
+
+def _warn_unattached(net: keras.Model, names: list[str]) -> None:
+    """Says what is not covered when SafeOptimizers the model holds besides
+    `model.optimizer` train a model with forward-pass state."""
+    if not names or not net.non_trainable_weights:  # BatchNormalization's, ...
+        return
+    held = ", ".join(f"`{n}`" for n in names)
+    telling.warn(
+        f"NaNGuard: the model trains with SafeOptimizers it holds ({held}), "
+        "besides `model.optimizer`: their rejected steps apply nothing to the "
+        "weights or to their own state, and NaNGuard sees them (through their "
+        "counters), but only `model.optimizer` can be attached to the model, "
+        "so the forward-pass state such a step wrote (BatchNormalization "
+        "statistics, ...) and its metrics are kept. Leave such layers out of "
+        "the parts those optimizers train, or compile the model with its "
+        "optimizer."
     )

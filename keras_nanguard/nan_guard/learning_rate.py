@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 
+from keras_nanguard import snapshots
 from keras_nanguard.safe_optimizer import find_safe_optimizer
 
 
@@ -26,6 +27,35 @@ def lower(optimizer: Any, factor: float) -> tuple[float, float] | None:
     old = float(keras.ops.convert_to_numpy(lr))
     lr.assign(old * factor)
     return old, float(keras.ops.convert_to_numpy(lr))
+
+
+def trained_by(model: keras.Model) -> dict[str, Any]:
+    """The optimizers that train `model`, by the attribute holding them: the
+    built ones of `snapshots.model_optimizers` (a GAN's `d_optimizer` and
+    `g_optimizer`, not the default `compile()` left unused), or
+    `model.optimizer` when none is built yet."""
+    held = snapshots.model_optimizers(model)
+    built = {name: opt for name, opt in held.items() if opt.built}
+    if built:
+        return built
+    return {"optimizer": model.optimizer} if model.optimizer is not None else {}
+
+
+def lower_all(
+    optimizers: dict[str, Any], factor: float
+) -> dict[str, tuple[float, float]]:
+    """`lower` for each optimizer: the rates it changed, by name."""
+    found = {name: lower(opt, factor) for name, opt in optimizers.items()}
+    return {name: lr for name, lr in found.items() if lr is not None}
+
+
+def lowered_words(lowered: dict[str, tuple[float, float]]) -> str:
+    """What an incident's action says of the rates `lower_all` changed."""
+    if list(lowered) == ["optimizer"]:
+        old, new = lowered["optimizer"]
+        return f", learning rate {old:.3g} -> {new:.3g}"
+    each = ", ".join(f"{k} {a:.3g} -> {b:.3g}" for k, (a, b) in lowered.items())
+    return f", learning rates {each}"
 
 
 def schedule_name(optimizer: Any) -> str | None:

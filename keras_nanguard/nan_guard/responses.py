@@ -151,14 +151,14 @@ class Responses:
         settings, state = self.settings, self.state
         self.keeper.rolled_back()
         inc.action = "rolled back: " + where
-        optimizer = state.net.optimizer
-        lr = _learning_rate.lower(optimizer, settings.lr_factor)
-        if lr is not None:
-            inc.learning_rate = lr
-            inc.action += f", learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
+        optimizers = _learning_rate.trained_by(state.net)
+        lowered = _learning_rate.lower_all(optimizers, settings.lr_factor)
+        if lowered:
+            inc.learning_rate = next(iter(lowered.values()))
+            inc.action += _learning_rate.lowered_words(lowered)
             self.snapshotter.save(point)  # the rate to go on with
         elif settings.lr_factor < 1:  # a schedule
-            inc.action += _learning_rate.not_lowered(optimizer)
+            inc.action += _learning_rate.not_lowered(next(iter(optimizers.values())))
         skip = settings.skip_batches
         until = state.now + skip
         state.discard_until = until if skip else None

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import keras
 
+from keras_nanguard.safe_optimizer import SafeOptimizer
 from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 
 
@@ -37,3 +38,104 @@ class SafeCounters(Protocol):
     def quarantined_rows(
         self, since: int = 0, until: int | None = None
     ) -> list[tuple[int, int, tuple[str, ...]]]: ...
+
+
+class SafeOptimizers:
+    """Several SafeOptimizers of one model (a GAN's `d_optimizer` and
+    `g_optimizer`) as one `SafeCounters`: their rejected steps summed, the
+    reports of the one whose rejections are the latest streak (the
+    *culprit*: most rejected steps in a row, then most in all). Only
+    `model.optimizer` can be attached (see `attach`); the others are
+    watched through their counters.
+
+    Args:
+        named: the SafeOptimizers by the attribute of the model holding
+            them (`"optimizer"` for `model.optimizer`).
+    """
+
+    def __init__(self, named: Mapping[str, SafeOptimizer]) -> None:
+        if len(named) < 2:
+            raise ValueError(
+                "`SafeOptimizers` holds two SafeOptimizers or more. "
+                f"Received: {list(named)}"
+            )
+        self.named = dict(named)
+
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        limits = [o.max_consecutive_skips for o in self.named.values()]
+        given = [limit for limit in limits if limit is not None]
+        return min(given) if given else None
+
+    def _read(self) -> dict[str, dict[str, float | int]]:
+        return {name: opt.counters() for name, opt in self.named.items()}
+
+    def _culprit(self, read: Mapping[str, Mapping[str, float | int]]) -> str:
+        return max(
+            read,
+            key=lambda n: (read[n]["consecutive_skips"], read[n]["skipped_steps"]),
+        )
+
+    def counters(self) -> dict[str, float | int]:
+        """Their counters summed (`consecutive_skips`: the longest streak);
+        the figures of a step (norms, reasons) the culprit's."""
+        read = self._read()
+        out = dict(read[self._culprit(read)])
+        for key, value in out.items():
+            if isinstance(value, int) and key not in _PER_STEP:
+                out[key] = sum(int(c[key]) for c in read.values())
+        out["consecutive_skips"] = max(
+            int(c["consecutive_skips"]) for c in read.values()
+        )
+        return out
+
+    def describe_last_rejection(self) -> str:
+        read = self._read()
+        name = self._culprit(read)
+        said = self.named[name].describe_last_rejection()
+        return f"`{name}`: {said}" if said else ""
+
+    def flight_record(self) -> FlightRecord:
+        """The culprit's record (the first optimizer's while none rejected)."""
+        read = self._read()
+        if not any(c["skipped_steps"] for c in read.values()):
+            return next(iter(self.named.values())).flight_record()
+        return self.named[self._culprit(read)].flight_record()
+
+    def attach(
+        self,
+        model: keras.Model,
+        *,
+        quarantine: bool | None = None,
+        max_quarantine_fraction: float = 0.5,
+    ) -> None:
+        """Attaches `model.optimizer` if it is one of them. Per-sample
+        quarantine, which reweighs the loss of one optimizer's step, is
+        refused with several."""
+        if quarantine:
+            raise ValueError(
+                "Per-sample quarantine works with one SafeOptimizer: it "
+                "reweighs the loss of the model's `train_step`, which here "
+                f"runs several ({', '.join(self.named)}). Received: "
+                "quarantine=True"
+            )
+        own = self.named.get("optimizer")
+        if own is not None:
+            own.attach(model)
+
+    def quarantined_rows(
+        self, since: int = 0, until: int | None = None
+    ) -> list[tuple[int, int, tuple[str, ...]]]:
+        return []
+
+
+# Counters that are the figures of one step or one setting, not totals.
+_PER_STEP = frozenset(
+    {
+        "consecutive_skips",
+        "consecutive_accepts",
+        "last_rejection",
+        "last_nonfinite_index",
+        "recent_rejections",
+    }
+)

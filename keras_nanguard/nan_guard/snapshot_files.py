@@ -21,6 +21,7 @@ from keras_nanguard.snapshots import (
     assign,
     learning_rate_variable,
     load,
+    optimizer_variables,
     seed_states,
     tracked,
     unchecked,
@@ -55,7 +56,7 @@ def load_into(model: keras.Model, directory: str | os.PathLike) -> Snapshot:
     if optimizer is not None and n_optimizer > 0:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        variables += list(optimizer.variables)
+        variables += optimizer_variables(model)
         values += snap.values[n : n + n_optimizer]
     if snap.n_seeds:
         variables += seed_states(model)

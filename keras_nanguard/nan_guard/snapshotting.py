@@ -116,7 +116,10 @@ class Snapshotter:
         state = self.state
         state.started = True
         optimizer = state.net.optimizer
-        if optimizer is not None and not optimizer.built:
+        # As Keras builds it before a JAX or torch `fit`; not the one a
+        # model with optimizers of its own (a GAN's) left unused.
+        alone = len(snapshots.model_optimizers(state.net)) == 1
+        if optimizer is not None and not optimizer.built and alone:
             optimizer.build(state.net.trainable_variables)
         snap, bad = self.capture(verify=True)
         if snap is not None and state.now == 0:  # the state training starts from

@@ -79,7 +79,14 @@ class Turns:
             healthy = state.watch.healthy_step
             step_seconds = state.watch.step_seconds
         steps, state.seen = state.now - state.seen, state.now
-        if not state.started and is_built(state.net):
+        # The first snapshot once the state is known: the model built, and
+        # the optimizers it holds besides `model.optimizer` (a GAN's), which
+        # make their variables at their first step.
+        if (
+            not state.started
+            and is_built(state.net)
+            and not snapshots.unbuilt_optimizers(state.net)
+        ):
             if state.safe is not None and self.settings.quarantine:
                 snapshots.sync_from_device(state.net)
                 state.quarantine_base = int(state.safe.counters()["quarantine_steps"])

@@ -20,6 +20,7 @@ import keras
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._host_device import host_view
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
@@ -484,7 +485,8 @@ class Counters:
         named = self._named(values)
         out: dict[str, float | int] = {}
         for f in SCALAR_FIELDS:
-            value = ops.convert_to_numpy(named[f.name])
+            # Not `convert_to_numpy`: NumPy warns reading a TensorFlow variable.
+            value = host_view(named[f.name])
             out[f.name] = (
                 float(kernels.from_finite(value))
                 if f.metadata["dtype"] == "float32"
