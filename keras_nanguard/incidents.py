@@ -21,7 +21,7 @@ KINDS: dict[str, str] = {
     "nonfinite_weights": "the weights or the optimizer state are NaN or inf",
     "loss_spike": "the batch loss stayed far above its rolling mean",
     "loss_blowup": "after a rollback, the batch loss stayed finite but far "
-    "above its level before the first rollback",
+    "above the run's early level",
     "nonfinite_validation": "a validation figure (val_...) is NaN or inf, the "
     "weights are finite: never trouble",
     "quarantined_samples": "rows of the data were left out of their steps "
@@ -74,8 +74,8 @@ class Incident:
     `"nonfinite_weights"`, `"loss_spike"` (the batch loss stayed far above
     its rolling mean; `step` is where the streak began, `steps` its length,
     `detail` the figures that triggered it), `"loss_blowup"` (after a
-    rollback, the batch loss stayed finite but 1000 times or more its level
-    before the first rollback; `step` and `steps` as for a spike) and
+    rollback, the batch loss stayed finite but 1000 times or more the run's
+    early level; `step` and `steps` as for a spike) and
     `"nonfinite_validation"` (a
     `val_` figure is NaN or inf at an epoch's end while the weights are
     finite: recorded, never trouble; `batch` is -1) and

@@ -58,8 +58,11 @@ def test_guarded_runs_as_plain_and_is_healthy(name):
     example = _example(name)
     plain = example.train("plain")
     guarded = example.train("guard")
-    assert guarded.losses == plain.losses
     assert_bit_identical(numpy(plain.model.weights), numpy(guarded.model.weights))
+    # The losses as logged: TensorFlow's own runs of the VAE differ in the
+    # 7th digit of a logged loss under load (a multi-threaded reduction),
+    # with bit-identical weights.
+    np.testing.assert_allclose(guarded.losses, plain.losses, rtol=1e-6)
     assert _rejected(guarded) == 0
     if guarded.guard is not None:
         assert guarded.guard.incidents == []  # no divergence_warning either

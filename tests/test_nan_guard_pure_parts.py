@@ -137,18 +137,18 @@ def test_a_healthy_loss_ends_a_streak():
 
 
 # ------------------------------------------------------------- LossBlowup
-def test_a_blowup_is_only_seen_after_a_rollback():
+def test_a_ruinous_loss_proves_nothing_and_is_trouble_only_after_a_rollback():
     blowup = loss_spikes.LossBlowup()
     for step, loss in enumerate([0.5, 0.4, 0.3, 0.2, 0.1]):
         assert blowup.see(loss, step, 1) is False
-    # Before any rollback a loss may grow as it likes (returns that grow).
-    for step in range(5, 9):
-        assert blowup.see(1e6, step, 1) is False
-    assert blowup.level is None
-    blowup.arm()  # the first rollback: the level is the median so far
-    assert blowup.level == 0.5  # of 0.5 ... 0.1 and four losses of 1e6
-    blowup.arm()  # later rollbacks keep the level of the first
-    assert blowup.level == 0.5
+    assert blowup.level == 0.3  # the median of the early losses
+    assert blowup.see(299.0, 5, 1) is False  # under 1000 times the level
+    # Before any rollback a loss may grow as it likes (returns that grow):
+    # not trouble, but no proof of a snapshot either.
+    for step in range(6, 12):
+        assert blowup.see(1e6, step, 1) is True
+    assert (blowup.streak_from, blowup.streak) == (None, 0)
+    assert blowup.level == 0.35  # of 0.1 ... 0.5 and 299: not of the 1e6s
 
 
 def test_a_blowup_is_confirmed_after_three_steps_far_above_the_level():
@@ -158,17 +158,19 @@ def test_a_blowup_is_confirmed_after_three_steps_far_above_the_level():
     blowup.arm()
     assert blowup.level == 2.0
     assert blowup.see(1999.0, 3, 1) is False  # under 1000 times the level
-    assert blowup.see(2000.0, 4, 1) is True  # a streak opens
+    assert blowup.level == 2.5  # the first 100 healthy losses make it
+    assert blowup.see(2500.0, 4, 1) is True  # a streak opens
     assert blowup.see(None, 5, 1) is True  # an unknown loss keeps it
     assert blowup.see(10.0, 6, 1) is False  # a healthy loss ends it
+    assert blowup.level == 3.0  # of 1, 2, 3, 1999 and 10
     assert blowup.see(5e3, 7, 2) is True  # an execution of 2 steps
     found = blowup.see(8e3, 9, 1)
-    assert found == loss_spikes.Blowup(7, 3, 8e3, 2.0)
+    assert found == loss_spikes.Blowup(7, 3, 8e3, 3.0)
     assert found.describe() == (
-        "after a rollback the batch loss stayed above 1000 times its level "
-        "before the first rollback for 3 steps in a row (last loss 8000, "
-        "level 2, the median of the last healthy batches): finite, but the "
-        "run has blown up again."
+        "after a rollback the batch loss stayed above 1000 times the run's "
+        "early level for 3 steps in a row (last loss 8000, level 3, the "
+        "median of its first healthy batches): finite, but the run has blown "
+        "up again."
     )
     assert (blowup.streak_from, blowup.streak) == (None, 0)
 

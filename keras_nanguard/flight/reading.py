@@ -21,7 +21,10 @@ The thresholds, and why (healthy runs of the corpus in brackets):
   the cause only when the first bad step is a non-finite update),
   warning 1e-12 [healthy: >= epsilon, 1e-7 for Keras's Adam];
 - the smallest probability of a softmax output: onset 1e-10, warning 1e-14
-  (float32's `exp` underflows to exactly 0 near 1e-45) [healthy: >= 1e-8];
+  (float32's `exp` underflows to exactly 0 near 1e-45) [healthy: >= 1e-8],
+  unless the loss is converging (positive, its level a tenth of its first
+  or less, as medians of probes): a confident classifier's smallest
+  probability is that small too;
 - the largest input magnitude: unnormalised at 50 and above (a warning
   with a gradient norm of 100 or more, or a high update ratio);
 - the output's magnitude over the input's at the first probe: 100 and above
@@ -297,7 +300,7 @@ def _optimizer_state(s: _Signals, warn: bool) -> tuple | None:
 
 def _policy_collapse(s: _Signals, warn: bool) -> tuple | None:
     p = s.min_prob
-    if not np.isfinite(p).any():
+    if not np.isfinite(p).any() or _converging(s):
         return None
     low = p < (PROB_WARN if warn else PROB_ONSET)
     if not low.any():
@@ -450,6 +453,22 @@ def _worsening(s: _Signals) -> bool:
     last = values[-1]
     best = np.nanmin(values) if np.isfinite(values).any() else np.nan
     return bool(not np.isfinite(last) or last >= WORSENING * max(best, 1e-12))
+
+
+def _converging(s: _Signals) -> bool:
+    """Whether the observed loss is positive and its level (the median of
+    the last 5 probes) a tenth of its first (of the first 3) or less: a
+    confident classifier learning its task. Its smallest softmax
+    probability falls below 1e-14 as it should; that is not a policy
+    collapsing, and its loss (Keras clips probabilities) cannot reach
+    log(0)."""
+    loss = s.probe_loss[np.isfinite(s.probe_loss)]
+    if len(loss) < 8 or (loss <= 0).any():
+        return False
+    # Medians: a batch's loss is noisy, most of all once the task is learnt
+    # (one wrong row in a batch of 32 is a loss of 0.1 among 0.001s).
+    early, recent = float(np.median(loss[:3])), float(np.median(loss[-5:]))
+    return recent <= early / WORSENING
 
 
 def _exploding(s: _Signals) -> bool:

@@ -8,14 +8,16 @@ the mean, which can only weaken its signal, never raise a false alarm).
 
 Two rules read those losses. `LossSpikes` (with `loss_spike_sigma`, off by
 default): a loss many standard deviations above its rolling mean.
-`LossBlowup` (always on, armed only after a rollback): a finite loss
-`BLOWUP_FACTOR` times the level the run was at before its first rollback,
-for `BLOWUP_PATIENCE` steps in a row. A run whose rate a rollback could not
-lower (a schedule) can blow up again without a non-finite value: its
-snapshots are then proven by batches of finite but ruinous loss, and `fit`
-would return a model with a loss of 1e9 and say nothing. Before any
-rollback the rule is off: a healthy run's loss may rise far above its
-early level (a reinforcement-learning agent whose returns grow).
+`LossBlowup` (always on): a finite loss `BLOWUP_FACTOR` times the run's
+early level (the median of its first `BLOWUP_WINDOW` healthy batch losses)
+proves no snapshot; after a rollback, `BLOWUP_PATIENCE` steps of it in a
+row are trouble. A run whose rate a rollback could not lower (a schedule)
+climbs to a loss of 1e20 before its first NaN and blows up again after it
+without one: its snapshots were proven by batches of finite but ruinous
+loss, and `fit` returned a model with a loss of 1e9 and said nothing.
+Before any rollback a loss that high is not trouble: a healthy run's loss
+may rise far above its early level (a reinforcement-learning agent whose
+returns grow); it only leaves the rollback point where it was.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import dataclasses
 import math
 import statistics
 
-# A loss this many times the level before the first rollback ...
+# A loss this many times the run's early level ...
 BLOWUP_FACTOR = 1000.0
-# ... for this many steps in a row is a blow-up.
+# ... for this many steps in a row after a rollback is a blow-up.
 BLOWUP_PATIENCE = 3
-# The level: the median of the last healthy batch losses before it.
+# The early level: the median of the fit's first healthy batch losses.
 BLOWUP_WINDOW = 100
 
 
@@ -83,51 +85,59 @@ class Blowup:
     step: int  # the first step of the streak
     steps: int  # the steps in the streak
     loss: float  # the last batch loss of the streak
-    level: float  # the run's loss before its first rollback
+    level: float  # the run's early level
 
     def describe(self) -> str:
         return (
             f"after a rollback the batch loss stayed above {BLOWUP_FACTOR:g} "
-            f"times its level before the first rollback for {self.steps} "
-            f"steps in a row (last loss {self.loss:.4g}, level {self.level:.4g}, "
-            f"the median of the last healthy batches): finite, but the run "
-            "has blown up again."
+            f"times the run's early level for {self.steps} steps in a row "
+            f"(last loss {self.loss:.4g}, level {self.level:.4g}, the median "
+            "of its first healthy batches): finite, but the run has blown up "
+            "again."
         )
 
 
 class LossBlowup:
-    """The loss's level before the first rollback, and the open streak of
-    losses far above it (see the module)."""
+    """The loss's early level, and the open streak of losses far above it
+    (see the module)."""
 
     def __init__(self) -> None:
-        self.recent: collections.deque[float] = collections.deque(maxlen=BLOWUP_WINDOW)
-        self.level: float | None = None  # set at the first rollback
+        # The first healthy batch losses of the fit: the run's level.
+        self.early: list[float] = []
+        self.armed = False  # after a rollback
         self.streak_from: int | None = None  # first step of the open streak
         self.streak = 0
 
+    @property
+    def level(self) -> float | None:
+        return statistics.median(self.early) if self.early else None
+
     def arm(self) -> None:
-        """A rollback: the level is the run's before the first one."""
-        if self.level is None and self.recent:
-            self.level = statistics.median(self.recent)
+        """A rollback: from now on a streak of ruinous losses is trouble."""
+        self.armed = True
         self.streak_from, self.streak = None, 0
 
     def see(self, loss: float | None, step: int, steps: int) -> Blowup | bool:
         """Feeds a healthy execution's loss. Returns a `Blowup` when a streak
-        reaches `BLOWUP_PATIENCE` steps, `True` while one is open."""
+        reaches `BLOWUP_PATIENCE` steps after a rollback; `True` when the
+        loss proves nothing: `BLOWUP_FACTOR` times the level or more (never
+        a snapshot's proof, armed or not), or a streak is open."""
         if loss is None:
             return self.streak_from is not None
-        if self.level is None:  # not armed: no rollback yet
-            self.recent.append(loss)
-            return False
-        if loss < BLOWUP_FACTOR * max(self.level, 1e-12):
+        level = loss if self.level is None else self.level
+        if loss < BLOWUP_FACTOR * max(level, 1e-12):
+            if len(self.early) < BLOWUP_WINDOW:  # a ruinous one is not the level
+                self.early.append(loss)
             self.streak_from, self.streak = None, 0
             return False
+        if not self.armed:
+            return True  # ruinous but, before any trouble, not trouble
         if self.streak_from is None:
             self.streak_from = step
         self.streak += steps
         if self.streak < BLOWUP_PATIENCE:
             return True
-        found = Blowup(self.streak_from, self.streak, loss, self.level)
+        found = Blowup(self.streak_from, self.streak, loss, level)
         self.streak_from, self.streak = None, 0
         return found
 
