@@ -1,0 +1,134 @@
+"""Step time of small models in the patterns of `examples/`: plain Keras,
+`SafeOptimizer`, and `SafeOptimizer` with `NaNGuard()` (defaults: early
+warning on), and `NaNGuard(early_warning=False)`, interleaved in one process.
+
+Each model is compiled and fitted once per arm (the compile), then each
+round times one `fit` of `--epochs` epochs per arm in turn; the figure is the
+ratio to plain in the same round, median [min, max] over `--rounds`. Models:
+the two stacked LSTMs of `examples/lstm.py` (the addition-like task, batch
+32), the convnet of `examples/convnet.py` (digits, batch 64) and the
+transformer classifier of `examples/transformer.py` (batch 32). Targets
+(issue 28): SafeOptimizer <= 1.10x, NaNGuard <= 1.15x.
+
+Usage:
+    KERAS_BACKEND=jax python benchmarks/bench_examples.py
+    KERAS_BACKEND=tensorflow python benchmarks/bench_examples.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import keras
+import numpy as np
+from _stats import ratio_summary  # this folder is on sys.path
+from keras import layers
+from sklearn.datasets import load_digits
+
+import keras_nanguard as ng
+from examples import lstm, transformer
+
+ARMS = ("plain", "safe", "guard", "guard, no early warning")
+
+
+def _lstm() -> tuple[keras.Model, np.ndarray, np.ndarray, int]:
+    x, y = lstm.data(2048, 0)
+    model = keras.Sequential(
+        [
+            keras.Input((10, 1)),
+            layers.LSTM(16, return_sequences=True),
+            layers.LSTM(16),
+            layers.Dense(1),
+        ]
+    )
+    return model, x, y, 32
+
+
+def _convnet() -> tuple[keras.Model, np.ndarray, np.ndarray, int]:
+    d = load_digits()
+    x = (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32")
+    y = keras.utils.to_categorical(d.target, 10)
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(8, 8, 1)),
+            layers.Conv2D(16, kernel_size=(3, 3), activation="relu"),
+            layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Flatten(),
+            layers.Dropout(0.5),
+            layers.Dense(10, activation="softmax"),
+        ]
+    )
+    return model, x, y, 64
+
+
+def _transformer() -> tuple[keras.Model, np.ndarray, np.ndarray, int]:
+    x, y = transformer.data(1024, 0)
+    inputs = layers.Input(shape=(transformer.LENGTH,))
+    h = transformer.TokenAndPositionEmbedding(
+        transformer.LENGTH, transformer.VOCAB, 16
+    )(inputs)
+    h = transformer.TransformerBlock(16, 2, 16)(h)
+    h = layers.GlobalAveragePooling1D()(h)
+    outputs = layers.Dense(2, activation="softmax")(h)
+    return keras.Model(inputs, outputs), x, y, 32
+
+
+MODELS = {"two LSTMs": _lstm, "convnet": _convnet, "transformer": _transformer}
+LOSSES = {
+    "two LSTMs": "mse",
+    "convnet": "categorical_crossentropy",
+    "transformer": "sparse_categorical_crossentropy",
+}
+
+
+def _arm(name: str, arm: str):
+    keras.utils.set_random_seed(0)
+    model, x, y, batch = MODELS[name]()
+    opt = keras.optimizers.Adam(1e-3)
+    model.compile(opt if arm == "plain" else ng.SafeOptimizer(opt), LOSSES[name])
+    callbacks = []
+    if arm.startswith("guard"):
+        callbacks = [ng.NaNGuard(verbose=0, early_warning=arm == "guard")]
+
+    def fit(epochs: int) -> float:
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=callbacks)
+        return time.perf_counter() - start
+
+    fit(1)  # compiles
+    return fit, len(x) // batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
+    print("\n| model | steps timed | plain s/step | " + " | ".join(ARMS[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(ARMS) - 1))
+    for name in MODELS:
+        fits = {}
+        for arm in ARMS:
+            fits[arm], steps = _arm(name, arm)
+        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for _ in range(args.rounds):
+            for arm in ARMS:
+                times[arm].append(fits[arm](args.epochs))
+        per_step = min(times["plain"]) / (steps * args.epochs)
+        ratios = [ratio_summary(times[arm], times["plain"]) for arm in ARMS[1:]]
+        print(
+            f"| {name} | {steps * args.epochs} | {per_step * 1e3:.2f} ms | "
+            + " | ".join(ratios)
+            + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()
