@@ -29,42 +29,21 @@ import keras
 import numpy as np
 from _stats import ratio_summary  # this folder is on sys.path
 from keras import layers
-from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
-from examples import lstm, transformer
+from examples import convnet, lstm, transformer
 
 ARMS = ("plain", "safe", "guard", "guard, no early warning")
 
 
 def _lstm() -> tuple[keras.Model, np.ndarray, np.ndarray, int]:
     x, y = lstm.data(2048, 0)
-    model = keras.Sequential(
-        [
-            keras.Input((10, 1)),
-            layers.LSTM(16, return_sequences=True),
-            layers.LSTM(16),
-            layers.Dense(1),
-        ]
-    )
-    return model, x, y, 32
+    return lstm.stacked_lstms(), x, y, 32
 
 
 def _convnet() -> tuple[keras.Model, np.ndarray, np.ndarray, int]:
-    d = load_digits()
-    x = (d.data / 16.0).reshape(-1, 8, 8, 1).astype("float32")
-    y = keras.utils.to_categorical(d.target, 10)
-    model = keras.Sequential(
-        [
-            keras.Input(shape=(8, 8, 1)),
-            layers.Conv2D(16, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Flatten(),
-            layers.Dropout(0.5),
-            layers.Dense(10, activation="softmax"),
-        ]
-    )
-    return model, x, y, 64
+    x, y = convnet.data()
+    return convnet.convnet(), x, y, 64
 
 
 def _transformer() -> tuple[keras.Model, np.ndarray, np.ndarray, int]:

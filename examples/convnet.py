@@ -24,14 +24,8 @@ def data() -> tuple[np.ndarray, np.ndarray]:
     return x, keras.utils.to_categorical(d.target, 10)
 
 
-def train(mode: str, fault: str | None = None, seed: int = 0) -> Run:
-    x, y = data()
-    x_train, y_train, x_test, y_test = x[:1024], y[:1024], x[1024:1280], y[1024:1280]
-    if fault == "nan_pixel":
-        x_train = x_train.copy()
-        x_train[200, 3, 3, 0] = np.nan
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
+def convnet() -> keras.Model:
+    return keras.Sequential(
         [
             keras.Input(shape=(8, 8, 1)),
             layers.Conv2D(16, kernel_size=(3, 3), activation="relu"),
@@ -41,6 +35,16 @@ def train(mode: str, fault: str | None = None, seed: int = 0) -> Run:
             layers.Dense(10, activation="softmax"),
         ]
     )
+
+
+def train(mode: str, fault: str | None = None, seed: int = 0) -> Run:
+    x, y = data()
+    x_train, y_train, x_test, y_test = x[:1024], y[:1024], x[1024:1280], y[1024:1280]
+    if fault == "nan_pixel":
+        x_train = x_train.copy()
+        x_train[200, 3, 3, 0] = np.nan
+    keras.utils.set_random_seed(seed)
+    model = convnet()
     opt, nan_guard = optimizer(mode, keras.optimizers.Adam(1e-2)), guard(mode)
     model.compile(loss="categorical_crossentropy", optimizer=opt, metrics=["accuracy"])
     history = model.fit(

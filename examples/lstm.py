@@ -24,14 +24,8 @@ def data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, x.sum(axis=1).astype("float32") / 5.0
 
 
-def train(mode: str, fault: str | None = None, seed: int = 0) -> Run:
-    x, y = data(512, seed)
-    x_test, y_test = data(128, seed + 1)
-    if fault == "nan_target":
-        y = y.copy()
-        y[70, 0] = np.nan
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
+def stacked_lstms() -> keras.Model:
+    return keras.Sequential(
         [
             keras.Input((10, 1)),
             layers.LSTM(16, return_sequences=True),
@@ -39,6 +33,16 @@ def train(mode: str, fault: str | None = None, seed: int = 0) -> Run:
             layers.Dense(1),
         ]
     )
+
+
+def train(mode: str, fault: str | None = None, seed: int = 0) -> Run:
+    x, y = data(512, seed)
+    x_test, y_test = data(128, seed + 1)
+    if fault == "nan_target":
+        y = y.copy()
+        y[70, 0] = np.nan
+    keras.utils.set_random_seed(seed)
+    model = stacked_lstms()
     opt, nan_guard = optimizer(mode, keras.optimizers.RMSprop(3e-3)), guard(mode)
     model.compile(optimizer=opt, loss="mse")
     history = model.fit(
