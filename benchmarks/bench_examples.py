@@ -10,9 +10,15 @@ the two stacked LSTMs of `examples/lstm.py` (the addition-like task, batch
 transformer classifier of `examples/transformer.py` (batch 32). Targets
 (issue 28): SafeOptimizer <= 1.10x, NaNGuard <= 1.15x.
 
+On JAX, `--kernels` prints instead an exact proxy of the step's fixed cost:
+the kernels (XLA fusions) of one compiled train step, plain and with
+SafeOptimizer with and without its flight recorder, and the bytes XLA's cost
+analysis counts. On a CPU a small model's step is mostly kernel launches.
+
 Usage:
     KERAS_BACKEND=jax python benchmarks/bench_examples.py
     KERAS_BACKEND=tensorflow python benchmarks/bench_examples.py
+    KERAS_BACKEND=jax python benchmarks/bench_examples.py --kernels
 """
 
 from __future__ import annotations
@@ -84,12 +90,50 @@ def _arm(name: str, arm: str):
     return fit, len(x) // batch
 
 
+def _kernels(name: str, arm: str) -> tuple[int, float]:
+    """Fusions in the entry computation of one compiled train step, and the
+    bytes XLA's cost analysis counts (JAX)."""
+    import re
+
+    import jax
+
+    keras.utils.set_random_seed(0)
+    model, x, y, batch = MODELS[name]()
+    opt = keras.optimizers.Adam(1e-3)
+    if arm != "plain":
+        opt = ng.SafeOptimizer(opt, flight_recorder=arm == "safe")
+    model.compile(opt, LOSSES[name])
+    model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)  # builds
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    compiled = jax.jit(model.train_step).lower(state, (x[:batch], y[:batch])).compile()
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY") :]
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return len(re.findall(r" fusion\(", entry)), float(analysis["bytes accessed"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kernels", action="store_true")
     args = parser.parse_args()
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
+    if args.kernels:
+        arms = ("plain", "safe, no recorder", "safe")
+        print("\n| model | " + " | ".join(f"{a}: kernels, bytes" for a in arms) + " |")
+        print("|---|" + "---|" * len(arms))
+        for name in MODELS:
+            found = [_kernels(name, arm) for arm in arms]
+            cells = [f"{k}, {b / 1e6:.2f} MB" for k, b in found]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        return
     print("\n| model | steps timed | plain s/step | " + " | ".join(ARMS[1:]) + " |")
     print("|---|---|---|" + "---|" * (len(ARMS) - 1))
     for name in MODELS:

@@ -37,8 +37,8 @@ def to_host(value: Any) -> np.ndarray:
     return backend.host_view(value)
 
 
-def device_copy(value: Any) -> Any:
-    return backend.device_copy(value)
+def device_copies(values: list[Any]) -> list[Any]:
+    return backend.device_copies(values)
 
 
 def device_room(variables: list[keras.Variable]) -> bool:

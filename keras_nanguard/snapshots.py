@@ -30,7 +30,7 @@ import numpy as np
 from keras_nanguard._atomic import atomic_path
 from keras_nanguard._backend import current as backend
 from keras_nanguard._host_device import (
-    device_copy,
+    device_copies,
     device_room,
     host_finite,
     host_view,
@@ -263,7 +263,7 @@ def capture(
         backend.copy_into(into.values, [v.value for v in variables])
         values = into.values
     else:
-        values = [device_copy(v.value) for v in variables]
+        values = device_copies([v.value for v in variables])
     skip = unchecked(model)
     checked = [x for v, x in zip(variables, values, strict=True) if id(v) not in skip]
     snap = Snapshot(

@@ -180,3 +180,37 @@ def test_all_finite_is_exact_at_each_dtypes_edges(dtype):
         x = full.copy()
         x[4000] = bad
         assert not bool(ng.ops.all_finite([np.ones(3, "float32"), x]))
+
+
+def test_small_tensors_reduced_together_keep_their_own_flags_and_norms():
+    # Tensors of up to 4,096 entries are reduced in one joint vector (a
+    # segment each); each keeps its own flag and sum of squares, next to a
+    # large one reduced alone, float16 and float32 mixed.
+    from keras_nanguard import _kernels
+
+    rng = np.random.default_rng(0)
+    values = [
+        rng.normal(size=(3, 4)).astype("float32"),
+        np.array([1.0, np.inf], "float32"),
+        rng.normal(size=(5000,)).astype("float32"),  # alone
+        np.array([2.0, np.nan, 1.0], "float16"),
+        rng.normal(size=(7,)).astype("float16"),
+        np.full((4096,), 1e20, "float32"),  # small; its sum of squares overflows
+    ]
+    flags = _np(_kernels.finite_flags([ops.convert_to_tensor(v) for v in values]))
+    assert flags.tolist() == [True, False, True, False, True, True]
+    norm, finite, squares = _kernels.norms_and_finite(
+        [ops.convert_to_tensor(v) for v in values]
+    )
+    assert _np(finite).tolist() == [True, False, True, False, True, True]
+    expected = [float(np.sum(v.astype("float64") ** 2)) for v in values]
+    got = _np(squares)
+    np.testing.assert_allclose(got[[0, 2, 4]], np.array(expected)[[0, 2, 4]], rtol=1e-5)
+    assert math.isinf(got[1]) and math.isnan(got[3]) and math.isinf(got[5])
+    assert not math.isfinite(float(norm))
+    ok = [values[i] for i in (0, 2, 4, 5)]
+    np.testing.assert_allclose(
+        float(ng.ops.global_norm(ok)),
+        math.sqrt(sum(float(np.sum(v.astype("float64") ** 2)) for v in ok)),
+        rtol=1.2e-4,  # a segment's float32 sum may be sequential
+    )

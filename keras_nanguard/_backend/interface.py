@@ -36,8 +36,14 @@ class Backend(Protocol):
         (only for reading at once)."""
         ...
 
-    def device_copy(self, value: Tensor) -> Tensor:
-        """A copy on the device, in a new buffer."""
+    def device_copies(self, values: list[Tensor]) -> list[Tensor]:
+        """Copies on the device, in new buffers (one dispatch on JAX)."""
+        ...
+
+    def start_host_copies(self, values: list[Tensor]) -> list[Tensor]:
+        """Copies of `values` whose way to the host has begun: reading them a
+        step later does not wait for the device (JAX starts the transfers;
+        elsewhere device copies, read later)."""
         ...
 
     def device_room(self, variables: list[keras.Variable], need: int) -> bool:

@@ -32,8 +32,12 @@ def host_view(value: Tensor) -> np.ndarray:
     return np.asarray(value)
 
 
-def device_copy(value: Tensor) -> Tensor:
-    return tf.identity(value)
+def device_copies(values: list[Tensor]) -> list[Tensor]:
+    return [tf.identity(v) for v in values]  # a read of a variable
+
+
+def start_host_copies(values: list[Tensor]) -> list[Tensor]:
+    return device_copies(values)
 
 
 def device_room(variables: list[keras.Variable], need: int) -> bool:
@@ -165,15 +169,44 @@ def run_step(
 
 def sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
     # L2Loss is one fused kernel; square-then-sum allocates a temporary.
-    f32 = [tf.cast(v, "float32") for v in values]
-    return (
-        tf.stack([2.0 * tf.nn.l2_loss(v) for v in f32]),
-        tf.stack([2.0 * tf.nn.l2_loss(v * 2.0**-64) for v in f32]),
-    )
+    small, alone = common.joint_groups(values)
+    sq: list[Tensor] = [tf.zeros((), "float32")] * len(values)
+    sq_tiny = list(sq)
+    for i in alone:
+        v = tf.cast(values[i], "float32")
+        sq[i] = 2.0 * tf.nn.l2_loss(v)
+        sq_tiny[i] = 2.0 * tf.nn.l2_loss(v * 2.0**-64)
+    if small:
+        part = [values[i] for i in small]
+        joint = _joint(part)
+        tiny = joint * 2.0**-64
+        ids = common.segment_ids(part)
+        a = tf.math.unsorted_segment_sum(joint * joint, ids, len(part))
+        b = tf.math.unsorted_segment_sum(tiny * tiny, ids, len(part))
+        for k, i in enumerate(small):
+            sq[i], sq_tiny[i] = a[k], b[k]
+    return tf.stack(sq), tf.stack(sq_tiny)
 
 
 def finite_flags(values: list[Tensor]) -> Tensor:
-    return tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+    small, alone = common.joint_groups(values)
+    flags: list[Tensor] = [tf.constant(True)] * len(values)
+    for i in alone:
+        flags[i] = tf.reduce_all(tf.math.is_finite(values[i]))
+    if small:
+        part = [values[i] for i in small]
+        bad = tf.cast(tf.logical_not(tf.math.is_finite(_joint(part))), "float32")
+        found = (
+            tf.math.unsorted_segment_sum(bad, common.segment_ids(part), len(part)) == 0
+        )
+        for k, i in enumerate(small):
+            flags[i] = found[k]
+    return tf.stack(flags)
+
+
+def _joint(values: list[Tensor]) -> Tensor:
+    """The entries of `values` in one float32 vector (keeps NaN and inf)."""
+    return tf.concat([tf.reshape(tf.cast(v, "float32"), [-1]) for v in values], 0)
 
 
 def softmax_parts(x: Tensor, axis: int | tuple[int, ...], log: bool) -> Tensor:

@@ -45,8 +45,12 @@ def host_view(value: Tensor) -> np.ndarray:
     return np.asarray(value)
 
 
-def device_copy(value: Tensor) -> Tensor:
-    return value.detach().clone()
+def device_copies(values: list[Tensor]) -> list[Tensor]:
+    return [v.detach().clone() for v in values]
+
+
+def start_host_copies(values: list[Tensor]) -> list[Tensor]:
+    return device_copies(values)  # queued after the step; read a step later
 
 
 def device_room(variables: list[keras.Variable], need: int) -> bool:

@@ -2,11 +2,17 @@
 gathered over its fits, and the early warning.
 
 The record is read on the training thread at steps 1, 2, 4, 8, then every
-`probe_every` steps of the recorder (one host read of its rows each time,
-never per step), at epoch ends and when asked (`NaNGuard.explain`).
+`probe_every` steps of the recorder, at epoch ends and when asked
+(`NaNGuard.explain`). A read due during an epoch does not wait for the
+device: it copies the recorder's variables on the device and starts their
+copy to the host, and the rows join the record two executions later (when
+that step has surely run), at the same step on every process; a forced
+read (epoch end, `explain`) reads at once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from keras_nanguard import snapshots
 from keras_nanguard.flight import reading as _explain
@@ -26,9 +32,11 @@ class FlightWatch:
         # The step of the last warning given on this record (None: none).
         self.warned_at: int | None = None
         self._source: int | None = None  # id of the optimizer recorded
+        # The reads under way: the step each was asked at, and its finish.
+        self._pending: list[tuple[int, Callable[[], FlightRecord]]] = []
 
     def begin_fit(self, state: FitState) -> None:
-        self.read_at, self.warned = 0, False
+        self.read_at, self.warned, self._pending = 0, False, []
         if state.safe is not None and id(state.safe) != self._source:
             self.record, self._source = None, id(state.safe)
             self.warned_at = None
@@ -39,17 +47,34 @@ class FlightWatch:
         every = getattr(getattr(state.safe, "_recorder", None), "probe_every", 16)
         return state.now - self.read_at >= min(every, max(1, self.read_at))
 
-    def read(self, state: FitState) -> None:
-        """Adds the recorder's rows to the record (a host read)."""
+    def read(self, state: FitState, wait: bool = True) -> bool:
+        """Adds the recorder's rows to the record. With `wait`, a host read
+        now (after the reads under way); without, the read is started and
+        its rows are added by the first `collect` two executions later.
+        Returns whether rows were added."""
         if state.safe is None or not is_built(state.net):
-            return
+            return False
         snapshots.sync_from_device(state.net)
-        new = state.safe.flight_record()
-        if self.record is None or self.record.columns != new.columns:
-            self.record = new
-        else:
-            self.record.add(new.rows)
+        self._pending.append((state.now, state.safe._start_flight_read()))
         self.read_at = state.now
+        return self.collect(state, wait)
+
+    def collect(self, state: FitState, wait: bool) -> bool:
+        """Adds the rows of the reads under way that were asked two
+        executions ago or more (all of them with `wait`). Returns whether
+        rows were added."""
+        lag = 2 * max(1, state.k)
+        due = [p for p in self._pending if wait or state.now - p[0] >= lag]
+        if not due:
+            return False
+        self._pending = self._pending[len(due) :]  # in the order asked
+        for _, finish in due:
+            new = finish()
+            if self.record is None or self.record.columns != new.columns:
+                self.record = new
+            else:
+                self.record.add(new.rows)
+        return True
 
     def warning(self) -> RunDiagnosis | None:
         """This fit's early warning, once: what the record predicts."""

@@ -104,13 +104,19 @@ class LossBlowup:
     def __init__(self) -> None:
         # The first healthy batch losses of the fit: the run's level.
         self.early: list[float] = []
+        self._level: float | None = None  # the level, once `early` is full
         self.armed = False  # after a rollback
         self.streak_from: int | None = None  # first step of the open streak
         self.streak = 0
 
     @property
     def level(self) -> float | None:
-        return statistics.median(self.early) if self.early else None
+        if self._level is None and self.early:
+            level = statistics.median(self.early)
+            if len(self.early) < BLOWUP_WINDOW:
+                return level
+            self._level = level  # the window is full: fixed from now on
+        return self._level
 
     def arm(self) -> None:
         """A rollback: from now on a streak of ruinous losses is trouble."""

@@ -4,7 +4,7 @@ a test can hand them a stand-in."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import keras
@@ -25,6 +25,12 @@ class SafeCounters(Protocol):
 
     def flight_record(self) -> FlightRecord:
         """The flight recorder's rows (a host read)."""
+        ...
+
+    def _start_flight_read(self) -> Callable[[], FlightRecord]:
+        """A read of the flight recorder that does not wait for the device:
+        its copies are made and sent to the host now; the call returned
+        makes the record of them."""
         ...
 
     def attach(
@@ -101,6 +107,12 @@ class SafeOptimizers:
         if not any(c["skipped_steps"] for c in read.values()):
             return next(iter(self.named.values())).flight_record()
         return self.named[self._culprit(read)].flight_record()
+
+    def _start_flight_read(self) -> Callable[[], FlightRecord]:
+        read = self._read()  # whose record: a host read of the counters
+        if not any(c["skipped_steps"] for c in read.values()):
+            return next(iter(self.named.values()))._start_flight_read()
+        return self.named[self._culprit(read)]._start_flight_read()
 
     def attach(
         self,

@@ -271,15 +271,19 @@ class Turns:
             self._on_rejection(ev)
 
     def watch_flight(self, force: bool) -> None:
-        """Reads the flight recorder when due (or forced), and gives the early
-        warning when the record predicts trouble."""
+        """Reads the flight recorder when due (or forced: at once), and gives
+        the early warning when the rows read predict trouble."""
         flight = self.flight
-        if not (force or flight.due(self.state)):
-            return
-        flight.read(self.state)
-        if self.settings.early_warning:
+        if force or flight.due(self.state):
+            added = flight.read(self.state, wait=force)
+        else:
+            added = flight.collect(self.state, wait=False)
+        if added and self.settings.early_warning:
             found = flight.warning()
             if found is not None:
+                # Rows read earlier: the state (a rate to lower) is made
+                # current again.
+                snapshots.sync_from_device(self.state.net)
                 self.responses.divergence_warning(found)
 
     # ------------------------------------------------------------ epoch's end

@@ -14,7 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from keras_nanguard.safe_optimizer.flight_recorder import COLUMN, GLOBAL_COLUMNS
+from keras_nanguard.safe_optimizer.flight_recorder import (
+    COLUMN,
+    GLOBAL_COLUMNS,
+    FlightRecorder,
+)
 
 # Ordinary (non-probe) rows kept behind the newest step.
 KEEP_STEPS = 4096
@@ -124,6 +128,15 @@ class FlightRecord:
             both[:, COLUMN["step"]] > newest - KEEP_STEPS
         )
         self.rows = both[keep]
+
+    @classmethod
+    def of(cls, recorder: FlightRecorder, values: list[Any] | None = None):
+        """The rows of `recorder`: read now, or from `values`, what its
+        `start_read` returned."""
+        record = cls.empty(recorder.columns, recorder.layers, recorder.recurrent)
+        if recorder.ring is not None:
+            record.add_read(recorder.read(values))
+        return record
 
     def add_read(self, read: dict[str, Any]) -> None:
         """Adds what `FlightRecorder.read` returned."""

@@ -331,24 +331,30 @@ class FlightRecorder:
         backend.assign_block(self.history, slot, first, values)
 
     # ------------------------------------------------------------ host
+    def start_read(self) -> list[Any]:
+        """The variables' values copied on the device, their copy to the host
+        started: a read that does not wait for the device (`read` them
+        later)."""
+        return backend.start_host_copies([v.value for v in self.variables()])
+
     def read(self, values: Sequence[Any] | None = None) -> dict[str, Any]:
-        """The recorder's variables on the host (one read): `steps`,
-        `probes`, and the `ring` and `history` rows in step order."""
+        """The recorder's variables on the host (one read), or `values`, what
+        `start_read` returned: `steps`, `probes`, and the `ring` and
+        `history` rows in step order."""
         if values is None:
-            values = [ops.convert_to_numpy(v.value) for v in self.variables()]
-        arrays = [np.asarray(v) for v in values]
+            values = [v.value for v in self.variables()]
+        arrays = [np.asarray(ops.convert_to_numpy(v)) for v in values]
         steps, probes = int(arrays[0]), int(arrays[1])
-        ring = kernels.from_finite(arrays[2][:RING_STEPS])
-        history = kernels.from_finite(arrays[3][:HISTORY_PROBES])
+        ring, history = arrays[2], arrays[3]
         first = max(0, steps - RING_STEPS)
-        ring_rows = ring[[i % RING_STEPS for i in range(first, steps)]]
+        ring_rows = ring[np.arange(first, steps) % RING_STEPS]
         first = max(0, probes - HISTORY_PROBES)
-        history_rows = history[[i % HISTORY_PROBES for i in range(first, probes)]]
+        history_rows = history[np.arange(first, probes) % HISTORY_PROBES]
         return {
             "steps": steps,
             "probes": probes,
-            "ring": ring_rows.reshape(-1, ring.shape[1]),
-            "history": history_rows.reshape(-1, history.shape[1]),
+            "ring": kernels.from_finite(ring_rows.reshape(-1, ring.shape[1])),
+            "history": kernels.from_finite(history_rows.reshape(-1, history.shape[1])),
         }
 
 

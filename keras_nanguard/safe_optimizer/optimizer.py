@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -656,13 +656,15 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         >>> opt.flight_record().column("grad_norm").tolist()
         [1.0]
         """
+        return FlightRecord.of(self._recorder)
+
+    def _start_flight_read(self) -> Callable[[], FlightRecord]:
+        """`flight_record` without waiting for the device (NaNGuard's reads
+        during an epoch): the copies are started now, the call returned makes
+        the record of them."""
         recorder = self._recorder
-        record = FlightRecord.empty(
-            recorder.columns, recorder.layers, recorder.recurrent
-        )
-        if recorder.ring is not None:
-            record.add_read(recorder.read())
-        return record
+        values = recorder.start_read() if recorder.ring is not None else None
+        return lambda: FlightRecord.of(recorder, values)
 
     def observe(
         self, *, loss: Any = None, inputs: Any = None, outputs: Any = None
