@@ -47,6 +47,23 @@ def joint_groups(values: Sequence[Tensor]) -> tuple[list[int], list[int]]:
     return small, [i for i in range(len(values)) if i not in chosen]
 
 
+def per_tensor(
+    values: Sequence[Tensor],
+    alone: Callable[[Tensor], Any],
+    together: Callable[[list[Tensor]], list[Any]],
+) -> list[Any]:
+    """One result per tensor: `alone` of each large one, `together` of the
+    small ones (`joint_groups`), which gives theirs in order."""
+    small, rest = joint_groups(values)
+    out: list[Any] = [None] * len(values)
+    for i in rest:
+        out[i] = alone(values[i])
+    if small:
+        for i, found in zip(small, together([values[i] for i in small]), strict=True):
+            out[i] = found
+    return out
+
+
 def segment_ids(values: Sequence[Tensor]) -> np.ndarray:
     """The segment of each entry of the joint vector of `values`."""
     sizes = [int(np.prod(tuple(v.shape))) for v in values]

@@ -151,19 +151,14 @@ def sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
             tuple(range(v.ndim)),
         )
 
-    values = [common.raw(v) for v in values]
-    small, alone = common.joint_groups(values)
-    sq = [jnp.float32(0)] * len(values)
-    sq_tiny = list(sq)
-    for i in alone:
-        sq[i], sq_tiny[i] = both(values[i])
-    if small:
-        joint = _joint([values[i] for i in small])
+    def together(part: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+        joint = _joint(part)
         tiny = joint * 2.0**-64
-        a, b = _segment_sums([values[i] for i in small], [joint * joint, tiny * tiny])
-        for k, i in enumerate(small):
-            sq[i], sq_tiny[i] = a[k], b[k]
-    return ops.stack(sq), ops.stack(sq_tiny)
+        a, b = _segment_sums(part, [joint * joint, tiny * tiny])
+        return [(a[k], b[k]) for k in range(len(part))]
+
+    sums = common.per_tensor([common.raw(v) for v in values], both, together)
+    return ops.stack([a for a, _ in sums]), ops.stack([b for _, b in sums])
 
 
 def finite_flags(values: list[Tensor]) -> Tensor:
@@ -179,16 +174,14 @@ def _finite_flags(values: list[Tensor]) -> Tensor:
     # and `v * 0` cost XLA:CPU 2 and 4 more bytes per entry (a mask, a
     # broadcast zero). XLA folds `v - v` to 0 for floats only under fast
     # math, which folds every finiteness check away (isfinite included).
-    small, alone = common.joint_groups(values)
-    sums = [jnp.float32(0)] * len(values)
-    for i in alone:
-        sums[i] = ops.sum(values[i] - values[i])
-    if small:
-        joint = _joint([values[i] for i in small])  # float32 keeps NaN, inf
-        (found,) = _segment_sums([values[i] for i in small], [joint - joint])
-        for k, i in enumerate(small):
-            sums[i] = found[k]
-    return ops.isfinite(ops.stack(sums))
+    def together(part: list[Tensor]) -> list[Tensor]:
+        joint = _joint(part)  # float32 keeps NaN, inf
+        (found,) = _segment_sums(part, [joint - joint])
+        return [found[k] for k in range(len(part))]
+
+    return ops.isfinite(
+        ops.stack(common.per_tensor(values, lambda v: ops.sum(v - v), together))
+    )
 
 
 _finite_flags_jit = jax.jit(_finite_flags)

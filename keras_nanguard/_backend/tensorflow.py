@@ -168,40 +168,35 @@ def run_step(
 
 
 def sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
-    # L2Loss is one fused kernel; square-then-sum allocates a temporary.
-    small, alone = common.joint_groups(values)
-    sq: list[Tensor] = [tf.zeros((), "float32")] * len(values)
-    sq_tiny = list(sq)
-    for i in alone:
-        v = tf.cast(values[i], "float32")
-        sq[i] = 2.0 * tf.nn.l2_loss(v)
-        sq_tiny[i] = 2.0 * tf.nn.l2_loss(v * 2.0**-64)
-    if small:
-        part = [values[i] for i in small]
+    def alone(v: Tensor) -> tuple[Tensor, Tensor]:
+        # L2Loss is one fused kernel; square-then-sum allocates a temporary.
+        v = tf.cast(v, "float32")
+        return 2.0 * tf.nn.l2_loss(v), 2.0 * tf.nn.l2_loss(v * 2.0**-64)
+
+    def together(part: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
         joint = _joint(part)
         tiny = joint * 2.0**-64
         ids = common.segment_ids(part)
         a = tf.math.unsorted_segment_sum(joint * joint, ids, len(part))
         b = tf.math.unsorted_segment_sum(tiny * tiny, ids, len(part))
-        for k, i in enumerate(small):
-            sq[i], sq_tiny[i] = a[k], b[k]
-    return tf.stack(sq), tf.stack(sq_tiny)
+        return [(a[k], b[k]) for k in range(len(part))]
+
+    sums = common.per_tensor(values, alone, together)
+    return tf.stack([a for a, _ in sums]), tf.stack([b for _, b in sums])
 
 
 def finite_flags(values: list[Tensor]) -> Tensor:
-    small, alone = common.joint_groups(values)
-    flags: list[Tensor] = [tf.constant(True)] * len(values)
-    for i in alone:
-        flags[i] = tf.reduce_all(tf.math.is_finite(values[i]))
-    if small:
-        part = [values[i] for i in small]
+    def together(part: list[Tensor]) -> list[Tensor]:
         bad = tf.cast(tf.logical_not(tf.math.is_finite(_joint(part))), "float32")
-        found = (
-            tf.math.unsorted_segment_sum(bad, common.segment_ids(part), len(part)) == 0
+        ids = common.segment_ids(part)
+        found = tf.math.unsorted_segment_sum(bad, ids, len(part)) == 0
+        return [found[k] for k in range(len(part))]
+
+    return tf.stack(
+        common.per_tensor(
+            values, lambda v: tf.reduce_all(tf.math.is_finite(v)), together
         )
-        for k, i in enumerate(small):
-            flags[i] = found[k]
-    return tf.stack(flags)
+    )
 
 
 def _joint(values: list[Tensor]) -> Tensor:

@@ -101,18 +101,20 @@ class SafeOptimizers:
         said = self.named[name].describe_last_rejection()
         return f"`{name}`: {said}" if said else ""
 
-    def flight_record(self) -> FlightRecord:
-        """The culprit's record (the first optimizer's while none rejected)."""
+    def _recorded(self) -> SafeOptimizer:
+        """Whose record is read: the culprit, the first optimizer while none
+        rejected (a host read of the counters)."""
         read = self._read()
         if not any(c["skipped_steps"] for c in read.values()):
-            return next(iter(self.named.values())).flight_record()
-        return self.named[self._culprit(read)].flight_record()
+            return next(iter(self.named.values()))
+        return self.named[self._culprit(read)]
+
+    def flight_record(self) -> FlightRecord:
+        """The culprit's record (the first optimizer's while none rejected)."""
+        return self._recorded().flight_record()
 
     def _start_flight_read(self) -> Callable[[], FlightRecord]:
-        read = self._read()  # whose record: a host read of the counters
-        if not any(c["skipped_steps"] for c in read.values()):
-            return next(iter(self.named.values()))._start_flight_read()
-        return self.named[self._culprit(read)]._start_flight_read()
+        return self._recorded()._start_flight_read()
 
     def attach(
         self,
