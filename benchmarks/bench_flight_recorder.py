@@ -30,14 +30,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/
 
 import keras
 from bench_quarantine import MODELS, _batch, torch_traffic
 
 import keras_nanguard as ng
-from keras_nanguard.flight import corpus
+from tests import corpus
 
 BACKEND = keras.backend.backend()
 

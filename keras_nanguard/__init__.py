@@ -28,11 +28,11 @@ from keras_nanguard import faults, ops
 from keras_nanguard.diagnosis import CAUSES, Diagnosis, diagnose
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.flight import RUN_CAUSES, RunDiagnosis
+from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.incidents import Incident, QuarantinedRow
 from keras_nanguard.nan_guard import NaNGuard
 from keras_nanguard.run_diagnosis import explain
 from keras_nanguard.safe_optimizer import SafeOptimizer
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 from keras_nanguard.stable_softmax import StableSoftmax
 
 try:  # the one version source is pyproject.toml

@@ -28,6 +28,8 @@ KINDS: dict[str, str] = {
     "(`quarantine=True`): never trouble",
     "divergence_warning": "the flight recorder predicts that the run will "
     "diverge, before anything is non-finite (`early_warning`): never trouble",
+    "stall_warning": "the flight recorder shows that the run stopped learning "
+    "while finite (`early_warning`): never trouble",
 }
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from keras_nanguard.flight import reading as _explain
 from keras_nanguard.flight.reading import RunDiagnosis
+from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.nan_guard import NaNGuard
 from keras_nanguard.safe_optimizer import SafeOptimizer
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 
 
 def explain(source: object) -> RunDiagnosis:

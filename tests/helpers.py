@@ -117,3 +117,14 @@ class WithoutBatches(keras.utils.PyDataset):
         b = self.keep[i]
         s = slice(b * self.batch_size, (b + 1) * self.batch_size)
         return self.x[s], self.y[s]
+
+
+#: The flight recorder's variables, in the order SafeOptimizer holds them.
+FLIGHT_NAMES = [
+    "flight_steps",
+    "flight_probes",
+    "flight_ring",
+    "flight_history",
+    "flight_alarm",
+    "flight_level",
+]

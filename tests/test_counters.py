@@ -132,6 +132,7 @@ def test_reason_codes():
         ("SPIKE", 3),
         ("LOSS_SCALE_OVERFLOW", 4),
         ("LOSS", 5),
+        ("HALTED", 6),
     ]
 
 

@@ -11,7 +11,7 @@ import pytest
 from keras import ops
 
 import keras_nanguard as ng
-from keras_nanguard.safe_optimizer.flight_recorder import HISTORY_PROBES, RING_STEPS
+from keras_nanguard.flight.recorder import HISTORY_PROBES, RING_STEPS
 from tests.helpers import BACKEND, numpy
 
 
@@ -86,6 +86,31 @@ def test_adam_records_its_smallest_denominator():
     assert smallest == 0.0
     state = opt.flight_record().column("state_min")[0]
     assert state == np.float32(np.sqrt(smallest) + 1e-6)
+
+
+def test_two_layers_sharing_an_inner_name_are_two_blocks():
+    model = keras.Sequential(
+        [
+            keras.Input((5, 2)),
+            keras.layers.LSTM(3, return_sequences=True),
+            keras.layers.LSTM(3),
+            keras.layers.Dense(1),
+        ]
+    )
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(1e-3))
+    tv = model.trainable_variables
+    opt.build(tv)
+    opt.apply([ops.ones(v.shape) for v in tv], tv)
+    first, second, dense = (layer.name for layer in model.layers)
+    # The shortest end of each layer's path that no other layer shares.
+    assert opt.flight_record().blocks == [
+        f"{first}/lstm_cell",
+        f"{first}/lstm_cell/recurrent_kernel",
+        f"{second}/lstm_cell",
+        f"{second}/lstm_cell/recurrent_kernel",
+        dense,
+    ]
+    assert opt.flight_record().recurrent == [False, True, False, True, False]
 
 
 def test_probe_cadence_ring_and_history():
@@ -192,7 +217,7 @@ def test_early_warning_is_checked():
 
 
 def _collapsing_actor():
-    from keras_nanguard.flight import corpus
+    from tests import corpus
 
     spec = corpus.RUNS["policy_collapse_actor"]
     keras.utils.set_random_seed(1)
@@ -254,7 +279,7 @@ def test_rollbacks_keep_the_record():
 def _record(rows):
     """A record of one layer block 'x' from `rows`: dicts of column values
     (unnamed columns NaN), steps 1, 2, ...; every row a probe."""
-    from keras_nanguard.safe_optimizer.flight_recorder import GLOBAL_COLUMNS
+    from keras_nanguard.flight.recorder import GLOBAL_COLUMNS
 
     columns = [*GLOBAL_COLUMNS, "grad_norm/x", "weight_norm/x", "update_norm/x"]
     record = ng.FlightRecord.empty(columns, ["x"], [False])
@@ -284,3 +309,102 @@ def test_a_tiny_denominator_is_the_cause_only_of_a_failed_update():
     assert (gradient.cause, update.cause) == ("bad_data", "optimizer_state")
     assert update.onset_step == 1 and update.steps_from_onset == 10
     assert update.lead_steps is None  # a record read on its own: no warning
+
+
+def test_a_saturated_softmax_under_updates_too_large_is_their_consequence():
+    # The update ratio climbs from step 5, the loss with it; the softmax
+    # saturates from step 12: the rate is the cause, the saturation what
+    # followed.
+    rows = [{"loss": 1.0}] * 4
+    rows += [{"update_norm/x": 0.2, "loss": 1.0 + 2 * i} for i in range(7)]
+    rows += [{"update_norm/x": 0.3, "loss": 20.0, "min_prob": 1e-20}] * 8
+    rows.append({"accepted": 0.0, "reason": 1.0, "grad_norm": np.nan})
+    found = ng.explain(_record(rows))
+    assert (found.cause, found.onset_step, found.first_bad_step) == (
+        "learning_rate_too_high",
+        5,
+        20,
+    )
+    assert found.confidence == "high" and found.candidates == []
+    assert len(found.consequences) == 1 and "softmax" in found.consequences[0]
+    assert "What followed from it:" in str(found)
+
+
+def test_two_causes_from_the_same_step_make_a_low_confidence_diagnosis():
+    # Inputs of 100 (not normalised) and outputs 1000 times larger from the
+    # first step: either could be the cause; neither is picked.
+    rows = [{"input_max": 100.0, "output_max": 1e5}] * 6
+    rows.append({"accepted": 0.0, "reason": 1.0, "grad_norm": np.nan})
+    found = ng.explain(_record(rows))
+    assert (found.cause, found.candidates, found.confidence) == (
+        "input_scale",
+        ["activation_growth"],
+        "low",
+    )
+    assert found.onset_step == 1 and len(found.evidence) == 2
+    assert str(found).startswith(
+        "Run diagnosis (low confidence): input_scale or activation_growth;"
+    )
+    hints = ng.flight.HINTS
+    assert found.hints == hints["input_scale"] + hints["activation_growth"]
+
+
+def test_a_run_whose_weights_stop_moving_is_stalled_unless_it_learnt_first():
+    moving = [{"loss": 2.0, "update_norm/x": 1e-3}] * 150
+    frozen = [{"loss": 1.9, "update_norm/x": 1e-9}] * 150
+    found = ng.explain(_record(moving + frozen))
+    assert (found.cause, found.first_bad_step, found.onset_step) == (
+        "stalled",
+        None,
+        151,
+    )
+    assert found.signal == "update_norm / weight_norm" and found.hints
+    # The same freeze after the loss fell 20-fold: a task learnt.
+    learnt = [{"loss": 0.1, "update_norm/x": 1e-9}] * 150
+    assert ng.explain(_record(moving + learnt)).cause == "healthy"
+    # Fewer than 200 steps: too short to call.
+    assert ng.explain(_record(moving[:50] + frozen[:100])).cause == "healthy"
+
+
+def _rate_jump_run(monkeypatch, alarms: bool):
+    """A regressor trained at 0.01 whose rate jumps to 3 at step 51: it
+    fails about 14 steps later, between two of the host's regular reads
+    (steps 48 and 64)."""
+    from keras_nanguard.flight.recorder import FlightRecorder
+
+    if not alarms:
+        monkeypatch.setattr(FlightRecorder, "newest_alarm", lambda self, lag: 0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2048, 8)).astype("float32")
+    y = np.tanh(x @ rng.normal(size=(8, 1))).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, "tanh"),
+            keras.layers.Dense(32, "tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    rate = keras.optimizers.schedules.PiecewiseConstantDecay([50], [0.01, 3.0])
+    model.compile(ng.SafeOptimizer(keras.optimizers.SGD(rate)), "mse")
+    guard = ng.NaNGuard(policy="stop", verbose=0)
+    model.fit(
+        x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+    )
+    return guard.explain()
+
+
+def test_the_alarm_warns_a_run_that_fails_between_two_regular_reads(monkeypatch):
+    # The device rings its alarm as the gradient norm jumps; the host reads
+    # the record then, not at its next regular read.
+    found = _rate_jump_run(monkeypatch, alarms=True)
+    assert found.cause == "learning_rate_too_high"
+    assert found.first_bad_step in range(60, 70), str(found)
+    assert found.lead_steps is not None and found.lead_steps >= 5, str(found)
+
+
+def test_without_the_alarm_the_same_run_is_warned_late_or_not(monkeypatch):
+    found = _rate_jump_run(monkeypatch, alarms=False)
+    assert found.first_bad_step in range(60, 70), str(found)
+    assert found.lead_steps is None or found.lead_steps <= 1, str(found)

@@ -8,8 +8,7 @@ import pytest
 
 import keras_nanguard as ng
 from keras_nanguard.safe_optimizer.counters import COUNTER_NAMES, WINDOW_NAMES
-
-FLIGHT_NAMES = ["flight_steps", "flight_probes", "flight_ring", "flight_history"]
+from tests.helpers import FLIGHT_NAMES
 
 
 def test_each_counter_on_the_optimizer_is_its_variable_in_order():
@@ -31,11 +30,11 @@ def test_each_counter_on_the_optimizer_is_its_variable_in_order():
         assert float(getattr(opt, name)) == 2.5
     # Then the flight recorder's (made by `build`), the inner optimizer's,
     # and nothing twice.
-    recorder = opt.variables[len(names) : len(names) + 4]
+    recorder = opt.variables[len(names) : len(names) + len(FLIGHT_NAMES)]
     assert [v.name for v in recorder] == FLIGHT_NAMES
-    rest = opt.variables[len(names) + 4 :]
+    rest = opt.variables[len(names) + len(FLIGHT_NAMES) :]
     assert [id(v) for v in rest] == [id(v) for v in opt.inner_optimizer.variables]
-    assert len({id(v) for v in opt.variables}) == len(opt.variables) == 30
+    assert len({id(v) for v in opt.variables}) == len(opt.variables) == 32
 
 
 def test_without_spike_factor_there_is_no_window():

@@ -1,5 +1,5 @@
 """`NaNGuard.explain()` and its early warning on the corpus of runs with known
-fates (`keras_nanguard.flight.corpus`): each diverging run is explained by its
+fates (`tests/corpus.py`): each diverging run is explained by its
 cause, each healthy run is `healthy`, and the warning comes before the first
 bad step in at least 80% of the diverging runs and never in a healthy one.
 
@@ -8,9 +8,11 @@ corpus-wide figures read the same runs."""
 
 import pytest
 
-from keras_nanguard.flight import RUN_CAUSES, corpus
+from keras_nanguard.flight import RUN_CAUSES
+from tests import corpus
 
-DIVERGING = [n for n, r in corpus.RUNS.items() if r.cause != "healthy"]
+DIVERGING = [n for n, r in corpus.RUNS.items() if r.cause not in ("healthy", "stalled")]
+STALLED = [n for n, r in corpus.RUNS.items() if r.cause == "stalled"]
 HEALTHY = [n for n, r in corpus.RUNS.items() if r.cause == "healthy"]
 _RESULTS: dict = {}
 
@@ -19,7 +21,11 @@ def _result(name):
     """(diagnosis, the warning's diagnosis or None) of run `name`."""
     if name not in _RESULTS:
         guard = corpus.run(name)
-        warnings = [i for i in guard.incidents if i.kind == "divergence_warning"]
+        warnings = [
+            i
+            for i in guard.incidents
+            if i.kind in ("divergence_warning", "stall_warning")
+        ]
         assert len(warnings) <= 1  # once per fit
         _RESULTS[name] = (
             guard.explain(),
@@ -42,6 +48,27 @@ def test_a_diverging_run_is_explained_by_its_cause(name):
     assert found.onset_step is not None and found.onset_step <= found.first_bad_step
     assert found.steps_from_onset == found.first_bad_step - found.onset_step
     assert found.evidence and found.hints
+
+
+@pytest.mark.parametrize("name", STALLED)
+def test_a_stalled_run_is_said_stalled_and_warned_as_a_stall(name):
+    found, warned = _result(name)
+    assert (found.cause, found.first_bad_step) == ("stalled", None), str(found)
+    assert found.evidence and found.hints
+    assert warned is not None and warned.cause == "stalled"
+
+
+def test_a_confident_classifier_trained_to_100_percent_is_healthy():
+    from keras import ops
+
+    models = []
+    guard = corpus.run("healthy_confident_classifier", model_out=models)
+    x, y = corpus._digits()
+    probs = ops.convert_to_numpy(models[0](x))
+    assert (probs.argmax(axis=1) == y).mean() == 1.0
+    assert probs.min() < 1e-14  # as confident as the issue's report
+    assert guard.explain().cause == "healthy"
+    assert [i.kind for i in guard.incidents] == []
 
 
 @pytest.mark.parametrize("name", HEALTHY)

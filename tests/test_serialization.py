@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from tests.helpers import assert_bit_identical, numpy
+from tests.helpers import FLIGHT_NAMES, assert_bit_identical, numpy
 
 
 def _data():
@@ -188,16 +188,12 @@ def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     assert [int(v) for v in numpy(opt.variables[15:18])] == [0, 0, 0]
     assert (numpy(opt.variables[18:19])[0] == -1).all()
     # New since too: the flight recorder's, empty.
-    assert names[19:23] == [
-        "flight_steps",
-        "flight_probes",
-        "flight_ring",
-        "flight_history",
-    ]
+    assert names[19:25] == FLIGHT_NAMES
     assert [int(v) for v in numpy(opt.variables[19:21])] == [0, 0]
-    # Its rings start at 0 (finite): rows past the counts hold no step.
-    assert all((v == 0).all() for v in numpy(opt.variables[21:23]))
-    loaded = numpy(opt.variables[23:])
+    # Its rings start at 0 (finite): rows past the counts hold no step; no
+    # alarm, a level of 0.
+    assert all((v == 0).all() for v in numpy(opt.variables[21:25]))
+    loaded = numpy(opt.variables[25:])
     adam = [
         s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
         for s, v in zip(saved[13:], loaded, strict=True)

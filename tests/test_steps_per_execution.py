@@ -14,6 +14,7 @@ import keras_nanguard as ng
 from tests.helpers import (
     BACKEND,
     BINARY_LOSS,
+    FLIGHT_NAMES,
     all_finite,
     assert_bit_identical,
     binary_data,
@@ -211,8 +212,8 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     # variables new since take their initial values.
     saved = expected[n:]
     # The two counters, the quarantine's three and its log, the window's
-    # `last_spike`, the flight recorder's four: new since.
-    assert len(opt.variables) == len(saved) + 2 + 4 + 1 + 4
+    # `last_spike`, the flight recorder's six: new since.
+    assert len(opt.variables) == len(saved) + 2 + 4 + 1 + 6
     names = [v.name for v in opt.variables]
     assert names[13:19] == [
         "loss_scale_steps",
@@ -229,7 +230,7 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     # and torch: the same value in the backend's dtype.
     # The window's `last_spike` (new since) starts at zeros.
     np.testing.assert_array_equal(numpy([opt.last_spike])[0], np.zeros(2, "float32"))
-    flight = {"flight_steps", "flight_probes", "flight_ring", "flight_history"}
+    flight = set(FLIGHT_NAMES)
     assert [int(v) for v in numpy(opt.variables[22:24])] == [0, 0]  # after the window
     loaded = numpy(
         [v for v in opt.variables[19:] if v.name not in flight | {"last_spike"}]

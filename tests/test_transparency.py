@@ -13,7 +13,7 @@ import pytest
 from keras import ops
 
 import keras_nanguard as ng
-from tests.helpers import BACKEND, assert_bit_identical, numpy
+from tests.helpers import BACKEND, FLIGHT_NAMES, assert_bit_identical, numpy
 
 
 def _twins(make_inner, **safe_kwargs):
@@ -106,9 +106,9 @@ def test_variables_are_the_counters_then_the_inner_optimizers():
     # then the flight recorder's (made by `build`).
     n = len(counters) + 1
     assert names[n - 1] == "quarantine_log"
-    flight = ["flight_steps", "flight_probes", "flight_ring", "flight_history"]
-    assert names[n : n + 4] == flight
-    n += 4
+    flight = FLIGHT_NAMES
+    assert names[n : n + len(flight)] == flight
+    n += len(flight)
     inner = safe.inner_optimizer.variables
     assert [id(v) for v in safe.variables[n:]] == [id(v) for v in inner]
     assert "learning_rate" not in names[: len(counters)]

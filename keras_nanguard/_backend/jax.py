@@ -70,6 +70,20 @@ def start_host_copies(values: list[Tensor]) -> list[Tensor]:
     return copies
 
 
+def tell_host(flag: Tensor, value: Tensor, listener: Callable[[int], None]) -> bool:
+    if isinstance(flag, bool) or not isinstance(flag, jax.core.Tracer):
+        return False  # eager: the host polls
+    if keras.distribution.distribution() is not None:
+        return False  # a host call per device or process: the host polls
+    from jax.experimental import io_callback
+
+    def call() -> None:
+        io_callback(lambda v: listener(int(v)), None, value, ordered=False)
+
+    jax.lax.cond(flag, call, lambda: None)
+    return True
+
+
 def device_room(variables: list[keras.Variable], need: int) -> bool:
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:

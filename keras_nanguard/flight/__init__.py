@@ -3,7 +3,8 @@ read from SafeOptimizer's flight recorder.
 
 - `reading`: `explain(record)` -> `RunDiagnosis`, `warning(record)`, the
   vocabulary `RUN_CAUSES` and what to do about each (`HINTS`).
-- `corpus`: the runs with known fates `explain` is measured on.
+- `recorder`: the device half (`FlightRecorder`) and the rejection
+  reasons (`Reason`); `record`: its rows on the host (`FlightRecord`).
 """
 
 from keras_nanguard.flight.reading import (

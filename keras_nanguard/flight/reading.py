@@ -43,7 +43,13 @@ from typing import Any
 
 import numpy as np
 
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
+from keras_nanguard.flight.record import FlightRecord
+from keras_nanguard.flight.recorder import (
+    PROB_WARN,
+    RATIO_ONSET,
+    STATE_WARN,
+    Reason,
+)
 
 #: The run-level causes `explain` names: cause -> what it means.
 RUN_CAUSES: dict[str, str] = {
@@ -70,6 +76,11 @@ RUN_CAUSES: dict[str, str] = {
     "exploding_recurrence": (
         "gradients grow through time in a recurrent layer: its recurrent "
         "kernel's gradient dominates and climbs"
+    ),
+    "stalled": (
+        "the run stopped learning while finite: the updates vanished (a "
+        "schedule decayed to zero, updates rounded away in low precision, "
+        "gradients clipped to nothing): the weights no longer move"
     ),
     "unknown": "the run went wrong, and no recorded signal explains it",
     "healthy": "nothing is wrong",
@@ -114,6 +125,19 @@ HINTS: dict[str, list[str]] = {
         "(LSTM, GRU) or an orthogonal recurrent initialisation with gain < 1.",
         "Shorter sequences (truncated backpropagation through time).",
     ],
+    "stalled": [
+        "Check the learning rate the steps use (the record's learning_rate "
+        "column): a schedule that decays to zero long before the run ends "
+        "stops it.",
+        "Variables in bfloat16 or float16 round small updates away: keep "
+        "the weights and the optimizer in float32 "
+        "(keras.mixed_precision.set_global_policy('mixed_bfloat16')).",
+        "A clipnorm far below the gradients' norm scales every update to "
+        "nothing; ReLU units that start dead (a large negative bias) never "
+        "recover: use a zero bias, He initialisation, or LeakyReLU.",
+        "A loss stuck where it started after a rate far too high: lower the "
+        "rate 10x and start again.",
+    ],
     "unknown": [
         "Run ng.diagnose(model, x, y) on the batch that failed (NaNGuard("
         "replay=...) keeps it): it names the layer and the cause.",
@@ -121,17 +145,27 @@ HINTS: dict[str, list[str]] = {
     "healthy": [],
 }
 
-RATIO_ONSET = 0.05
+# (RATIO_ONSET, STATE_WARN and PROB_WARN are the device alarm's too.)
 RATIO_RUINOUS = 0.5
-STATE_ONSET, STATE_WARN = 1e-9, 1e-12
-PROB_ONSET, PROB_WARN = 1e-10, 1e-14
+STATE_ONSET = 1e-9
+PROB_ONSET = 1e-10
 INPUT_UNNORMALISED = 50.0
 LARGE_GRADIENT = 100.0
 AMPLIFICATION = 100.0
 RECURRENT_GROWTH = 4.0
 EXPLOSION = 1000.0
 WORSENING = 10.0
-REASONS = {1: "a non-finite gradient", 2: "a non-finite update", 3: "a spike"}
+# Stalls: a run of STALL_STEPS steps or more whose last half has every
+# probe's largest update-to-weight ratio below FROZEN (the weights do not
+# move), its loss not tenfold below its first level. (A loss that stays
+# where it started while the weights move was tried as a second sign and
+# dropped: targets that drift, and a recurrence training slowly before it
+# explodes, look the same.)
+STALL_STEPS = 200
+FROZEN = 1e-7
+# Causes that are the consequence of another when it comes first: a
+# saturated softmax driven by updates too large, an explosion.
+SYMPTOMS = ("policy_collapse",)
 
 
 @dataclasses.dataclass
@@ -154,6 +188,12 @@ class RunDiagnosis:
         hints: what to change.
         signal: the column the evidence is read from.
         at_step: the last optimizer step recorded when it was made.
+        confidence: `"high"`, or `"low"` when other causes fit the record
+            from the same step (`candidates`, their evidence in `evidence`
+            too): no one of them is picked.
+        candidates: the other causes of a low-confidence diagnosis.
+        consequences: what the cause drove later, in words (a softmax
+            saturating under updates too large): symptoms, not causes.
 
     Example:
 
@@ -175,9 +215,22 @@ class RunDiagnosis:
     at_step: int | None = None
     warned_at_step: int | None = None
     lead_steps: int | None = None
+    confidence: str = "high"
+    candidates: list[str] = dataclasses.field(default_factory=list)
+    consequences: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"Run diagnosis: {self.cause} ({RUN_CAUSES[self.cause]})."]
+        if self.confidence == "low":
+            named = " or ".join([self.cause, *self.candidates])
+            lines = [
+                f"Run diagnosis (low confidence): {named}; the record fits "
+                "each of them from the same step, the evidence for each below."
+            ]
+            lines += [
+                f"  {c}: {RUN_CAUSES[c]}." for c in [self.cause, *self.candidates]
+            ]
+        else:
+            lines = [f"Run diagnosis: {self.cause} ({RUN_CAUSES[self.cause]})."]
         if self.first_bad_step is not None:
             lines.append(f"  First bad step: {self.first_bad_step}.")
         if self.onset_step is not None:
@@ -189,6 +242,9 @@ class RunDiagnosis:
         elif self.first_bad_step is not None and self.onset_step is not None:
             lines.append("  No warning was given before the first bad step.")
         lines += [f"  - {e}" for e in self.evidence]
+        if self.consequences:
+            lines.append("  What followed from it:")
+            lines += [f"  - {c}" for c in self.consequences]
         if self.hints:
             lines.append("  What to do:")
             lines += [f"  - {h}" for h in self.hints]
@@ -231,10 +287,10 @@ class _Signals:
     probe_loss: np.ndarray  # per probe: the loss (NaN where not observed)
     probe_grad: np.ndarray  # per probe: the gradient norm
     blocks: np.ndarray  # per step: the gradient norm of each block
-    bad_reason: int | None = None  # why the first bad step was rejected
+    bad_reason: Reason | None = None  # why the first bad step was rejected
 
     @classmethod
-    def of(cls, record: FlightRecord, bad_reason: int | None = None) -> _Signals:
+    def of(cls, record: FlightRecord, bad_reason: Reason | None = None) -> _Signals:
         probes = record.probes()
         with np.errstate(all="ignore"):
             ratios = probes.block("update_norm") / probes.block("weight_norm")
@@ -265,6 +321,17 @@ def _first(steps: np.ndarray, flags: np.ndarray) -> int | None:
     return int(steps[hits[0]]) if len(hits) else None
 
 
+def _last_stretch(steps: np.ndarray, flags: np.ndarray) -> int | None:
+    """The step where the last stretch of `flags` (up to the end, or the
+    last one before it) began."""
+    hits = np.flatnonzero(flags)
+    if not len(hits):
+        return None
+    gaps = np.flatnonzero(np.diff(hits) > 1)
+    start = hits[gaps[-1] + 1] if len(gaps) else hits[0]
+    return int(steps[start])
+
+
 def _g(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:.3g}"
 
@@ -277,9 +344,12 @@ def _optimizer_state(s: _Signals, warn: bool) -> tuple | None:
     v = s.state
     if not np.isfinite(v).any():
         return None
-    if not warn and s.bad_reason != 2:  # it fails in the update, if at all
-        return None
-    low = v < (STATE_WARN if warn else STATE_ONSET)
+    # After a failure: a denominator below the warning threshold, or below
+    # the onset one with the update the step that failed.
+    if warn or s.bad_reason is not Reason.UPDATE:
+        low = v < STATE_WARN
+    else:
+        low = v < STATE_ONSET
     # Large updates from a tiny denominator are this cause, not the rate.
     tiny_and_large = (v < STATE_ONSET) & (np.nan_to_num(s.ratio) > RATIO_ONSET)
     if not (low.any() or (warn and tiny_and_large.any())):
@@ -344,7 +414,9 @@ def _input_scale(s: _Signals, warn: bool) -> tuple | None:
 
 
 def _activation_growth(s: _Signals, warn: bool) -> tuple | None:
-    if not len(s.probe_steps):
+    # A recurrent kernel holding the largest gradient: growth through time
+    # (`exploding_recurrence`), not layer by layer.
+    if not len(s.probe_steps) or _recurrent_block(s) is not None:
         return None
     out, inp = s.outputs[0], s.inputs[0]
     if not (math.isfinite(out) and math.isfinite(inp)):
@@ -416,7 +488,7 @@ def _learning_rate(s: _Signals, warn: bool) -> tuple | None:
         or _exploding(s)
     ):
         return None
-    onset = _first(s.probe_steps, high)
+    onset = _last_stretch(s.probe_steps, high)
     if onset is None:
         onset = _explosion_onset(s)
     evidence = []
@@ -508,6 +580,11 @@ def first_bad_step(record: FlightRecord) -> int | None:
 def explain(record: FlightRecord) -> RunDiagnosis:
     """The run diagnosis of `record` (see the module).
 
+    Every rule is read; the cause is the one whose signal drifted first,
+    the causes that fit later are reported as what followed from it, and
+    causes that fit from the same step make a low-confidence diagnosis that
+    names them all.
+
     Example:
 
     >>> import keras, keras_nanguard as ng
@@ -522,21 +599,37 @@ def explain(record: FlightRecord) -> RunDiagnosis:
     """
     bad = first_bad_step(record)
     before = record.before(bad)
-    if not len(before):
-        return _diagnosis("unknown" if bad is not None else "healthy", bad, None)
     reason = None
     if bad is not None:
-        reason = int(record.rows[record.column("step") == bad][0, 3])
+        row = record.column("step") == bad
+        reason = Reason(int(record.column("reason")[row][0]))
+        # A non-finite update from a zero denominator, at once (epsilon=0
+        # and a gradient that stays 0): the failing probe row says so.
+        state = record.column("state_min")[row][0]
+        if reason is Reason.UPDATE and state < STATE_ONSET:
+            evidence = [
+                f"Step {bad}'s update was not finite with the optimizer's "
+                f"smallest denominator sqrt(v) + epsilon at {_g(float(state))}: "
+                "m / (sqrt(v) + epsilon) divides by zero."
+            ]
+            return _diagnosis("optimizer_state", bad, bad, evidence, "state_min")
+    if not len(before):
+        return _diagnosis("unknown" if bad is not None else "healthy", bad, None)
     s = _Signals.of(before, reason)
-    for cause, rule in RULES:
+    fits = []
+    for order, (cause, rule) in enumerate(RULES):
         found = rule(s, bad is None)
         if found is not None:
-            onset, evidence, signal = found
-            return _diagnosis(cause, bad, onset, evidence, signal)
+            fits.append((cause, order, *found))
+    if fits:
+        return _of_fits(fits, bad)
     if bad is None:
+        stall = _stalled(s)
+        if stall is not None:
+            return _diagnosis("stalled", None, *stall)
         return _diagnosis("healthy", None, None)
     # Trouble with no drift before it: bad data, if the steps before were calm.
-    words = REASONS.get(reason or 0, "a rejection")
+    words = reason.words if reason is not None else "a rejection"
     g = s.grad[np.isfinite(s.grad)]
     calm = len(g) == 0 or g[-8:].max() < 10.0 * np.median(g)
     if calm:
@@ -555,6 +648,74 @@ def explain(record: FlightRecord) -> RunDiagnosis:
     )
 
 
+def _of_fits(fits: list[tuple], bad: int | None) -> RunDiagnosis:
+    """The diagnosis of the causes that fit, `(cause, order, onset,
+    evidence, signal)` each: the first to drift is the cause (a symptom
+    only when nothing else fits), the later ones what followed, the ones
+    from the same step candidates of a low-confidence diagnosis."""
+
+    def when(fit: tuple) -> tuple:
+        symptom = fit[0] in SYMPTOMS and len(fits) > 1
+        onset = fit[2] if fit[2] is not None else math.inf
+        return (symptom, onset, fit[1])
+
+    ordered = sorted(fits, key=when)
+    cause, _, onset, evidence, signal = ordered[0]
+    found = _diagnosis(cause, bad, onset, evidence, signal)
+    for other, _, other_onset, other_evidence, _ in ordered[1:]:
+        if other not in SYMPTOMS and other_onset == onset:
+            found.candidates.append(other)
+            found.evidence += other_evidence
+            found.hints += [h for h in HINTS[other] if h not in found.hints]
+        else:
+            found.consequences += other_evidence
+    if found.candidates:
+        found.confidence = "low"
+    return found
+
+
+def _stalled(s: _Signals) -> tuple | None:
+    """(onset, evidence, signal) when the run has stopped learning: see
+    `STALL_STEPS`. A run whose loss fell tenfold or more before it stopped
+    moving has learnt its task: not a stall."""
+    if not len(s.steps) or s.steps[-1] - s.steps[0] + 1 < STALL_STEPS:
+        return None
+    loss = s.record.column("loss")
+    finite = loss[np.isfinite(loss)]
+    first = float(np.median(finite[:8])) if len(finite) >= 16 else math.nan
+    last = (
+        float(np.median(finite[-len(finite) // 10 :]))
+        if len(finite) >= 16
+        else math.nan
+    )
+    positive = len(finite) >= 16 and bool((finite > 0).all())
+    if positive and last <= first / WORSENING:
+        return None  # learnt, then stopped: converged
+    half = s.probe_steps >= s.steps[0] + (s.steps[-1] - s.steps[0]) / 2
+    ratios = s.ratio[half]
+    if half.sum() >= 4 and np.isfinite(ratios).all() and (ratios < FROZEN).all():
+        moving = np.flatnonzero(np.nan_to_num(s.ratio, nan=0.0) >= FROZEN)
+        since = int(s.probe_steps[moving[-1] + 1]) if len(moving) else int(s.steps[0])
+        lr = s.record.column("learning_rate")
+        return (
+            since,
+            [
+                f"From step {since} the weights stopped moving: every probe's "
+                f"largest update-to-weight ratio is below {FROZEN:g} (at most "
+                f"{_g(float(ratios.max()))}); the learning rate went from "
+                f"{_g(float(lr[0]))} to {_g(float(lr[-1]))}, the gradient norm "
+                f"is {_g(float(s.grad[-1]))}."
+                + (
+                    f" The loss went from {_g(first)} to {_g(last)}."
+                    if positive
+                    else ""
+                )
+            ],
+            "update_norm / weight_norm",
+        )
+    return None
+
+
 def warning(record: FlightRecord) -> RunDiagnosis | None:
     """The run diagnosis when the record so far predicts trouble (no step has
     failed yet), else None."""
@@ -565,6 +726,27 @@ def warning(record: FlightRecord) -> RunDiagnosis | None:
         return None
     found.at_step = int(record.column("step")[-1])
     return found
+
+
+def explain_warned(record: FlightRecord, given: RunDiagnosis | None) -> RunDiagnosis:
+    """`explain(record)` for a run that was warned with `given` (None: it
+    was not): a run that has not failed keeps the cause it was warned of,
+    from the evidence then, and what the record says since is what followed
+    (the warning and the explanation never name two causes for the same
+    trajectory); a run that failed is explained from the whole record, with
+    the warning's step and lead."""
+    found = explain(record)
+    if given is None:
+        return found
+    if found.first_bad_step is not None:
+        return found.warned(given.at_step)
+    later = [] if found.cause in ("healthy", given.cause) else found.evidence
+    return dataclasses.replace(
+        given,
+        consequences=[*given.consequences, *later],
+        warned_at_step=given.at_step,
+        lead_steps=None,
+    )
 
 
 def _diagnosis(

@@ -28,6 +28,7 @@ from keras_nanguard._validation import (
     check_positive,
 )
 from keras_nanguard.flight.reading import RunDiagnosis
+from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.incidents import Incident, QuarantinedRow, write_json
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
 from keras_nanguard.nan_guard import replay as _replay
@@ -39,7 +40,6 @@ from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
 from keras_nanguard.nan_guard.turns import Turns
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 # A batch end waits at most this long for the one before it (Keras's worker
@@ -126,13 +126,17 @@ class NaNGuard(keras.callbacks.Callback):
             than this fraction is left whole (and rejected). Defaults to 0.5.
         early_warning: `True`, `False` or `"act"`. `True` reads the
             SafeOptimizer's flight recorder as training goes (at steps 1, 2,
-            4, 8, then every `probe_every` steps: one host read each) and
-            records an incident of kind `"divergence_warning"` (its cause and
-            evidence, never trouble) as soon as the trajectory predicts that
-            the run will diverge, before anything is non-finite; once per
-            fit. `"act"`, with `policy="rollback"`, also lowers the learning
-            rate by `lr_factor` then. `explain()` gives the run's diagnosis
-            whatever this is. Defaults to `True`.
+            4, 8, then every `probe_every` steps, and whenever the
+            recorder's alarm rings: the device decides it every step, the
+            host learns it without waiting) and records an incident of kind
+            `"divergence_warning"` (its cause and evidence, never trouble)
+            as soon as the trajectory predicts that the run will diverge,
+            before anything is non-finite, or `"stall_warning"` when the run
+            has stopped learning (cause `stalled`); once per fit. `"act"`,
+            with `policy="rollback"`, also lowers the learning rate by
+            `lr_factor` at a divergence warning (not at a stall: a lower
+            rate does not restart it). `explain()` gives the run's
+            diagnosis whatever this is. Defaults to `True`.
         verbose: 0 or 1: 1 tells each incident once its action is known, in
             a log line (logger `"keras_nanguard"`, level WARNING) that starts
             on a line of its own under `fit`'s progress bar. Whatever

@@ -2,7 +2,9 @@
 gathered over its fits, and the early warning.
 
 The record is read on the training thread at steps 1, 2, 4, 8, then every
-`probe_every` steps of the recorder, at epoch ends and when asked
+`probe_every` steps of the recorder, whenever the recorder's alarm rings (the
+device decides it every step; the host learns it without waiting, see
+`FlightRecorder.newest_alarm`), at epoch ends and when asked
 (`NaNGuard.explain`). A read due during an epoch does not wait for the
 device: it copies the recorder's variables on the device and starts their
 copy to the host, and the rows join the record two executions later (when
@@ -17,8 +19,8 @@ from collections.abc import Callable
 from keras_nanguard import snapshots
 from keras_nanguard.flight import reading as _explain
 from keras_nanguard.flight.reading import RunDiagnosis
+from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.nan_guard.fit_state import FitState
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 from keras_nanguard.safe_optimizer.forward_state import is_built
 
 
@@ -29,9 +31,10 @@ class FlightWatch:
         self.record: FlightRecord | None = None
         self.read_at = 0  # `state.now` at the last read in this fit
         self.warned = False  # this fit's warning was given
-        # The step of the last warning given on this record (None: none).
-        self.warned_at: int | None = None
+        # The last warning given on this record (None: none).
+        self.given: RunDiagnosis | None = None
         self._source: int | None = None  # id of the optimizer recorded
+        self.alarm_seen = 0  # the newest alarm step read for
         # The reads under way: the step each was asked at, and its finish.
         self._pending: list[tuple[int, Callable[[], FlightRecord]]] = []
 
@@ -39,11 +42,17 @@ class FlightWatch:
         self.read_at, self.warned, self._pending = 0, False, []
         if state.safe is not None and id(state.safe) != self._source:
             self.record, self._source = None, id(state.safe)
-            self.warned_at = None
+            self.given = None
 
     def due(self, state: FitState) -> bool:
+        """Whether a read is due: by the cadence, or an alarm the host has
+        not read for yet (polled every turn)."""
         if state.safe is None or state.now < 1:
             return False
+        alarm = state.safe._newest_alarm(2)
+        if alarm > self.alarm_seen:
+            self.alarm_seen = alarm
+            return True
         every = getattr(getattr(state.safe, "_recorder", None), "probe_every", 16)
         return state.now - self.read_at >= min(every, max(1, self.read_at))
 
@@ -83,7 +92,7 @@ class FlightWatch:
         found = _explain.warning(self.record)
         self.warned = found is not None
         if found is not None:
-            self.warned_at = found.at_step
+            self.given = found
         return found
 
     def explain(self) -> RunDiagnosis:
@@ -97,4 +106,4 @@ class FlightWatch:
                 ],
                 hints=list(_explain.HINTS["unknown"]),
             )
-        return _explain.explain(self.record).warned(self.warned_at)
+        return _explain.explain_warned(self.record, self.given)

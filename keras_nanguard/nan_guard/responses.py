@@ -91,15 +91,20 @@ class Responses:
         """Records the early warning `found` (never trouble); with
         `early_warning="act"` under `policy="rollback"` it lowers the
         learning rate by `lr_factor` now, before anything is non-finite."""
-        detail = f"{found.cause} predicted"
+        stall = found.cause == "stalled"
+        detail = "the run stopped learning" if stall else f"{found.cause} predicted"
         if found.onset_step is not None:
             detail += f" (onset at optimizer step {found.onset_step})"
         detail += ": " + " ".join(found.evidence)
-        self.record(None, "divergence_warning", detail, [])
+        self.record(
+            None, "stall_warning" if stall else "divergence_warning", detail, []
+        )
         inc = self.log.last
         inc.diagnosis = found
         inc.action = "recorded"
-        if self.settings.early_warning != "act" or self.settings.policy != "rollback":
+        # A lower rate does not restart a stalled run.
+        early = self.settings.early_warning
+        if stall or early != "act" or self.settings.policy != "rollback":
             return
         optimizer = self.state.net.optimizer
         lr = _learning_rate.lower(optimizer, self.settings.lr_factor)

@@ -9,8 +9,8 @@ from typing import Protocol
 
 import keras
 
+from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.safe_optimizer import SafeOptimizer
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
 
 
 class SafeCounters(Protocol):
@@ -31,6 +31,11 @@ class SafeCounters(Protocol):
         """A read of the flight recorder that does not wait for the device:
         its copies are made and sent to the host now; the call returned
         makes the record of them."""
+        ...
+
+    def _newest_alarm(self, lag: int) -> int:
+        """The step of the flight recorder's newest alarm the host knows
+        without waiting for the device (0: none)."""
         ...
 
     def attach(
@@ -115,6 +120,9 @@ class SafeOptimizers:
 
     def _start_flight_read(self) -> Callable[[], FlightRecord]:
         return self._recorded()._start_flight_read()
+
+    def _newest_alarm(self, lag: int) -> int:
+        return self._recorded()._newest_alarm(lag)
 
     def attach(
         self,

@@ -11,7 +11,6 @@ counters when there is one.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 from dataclasses import field
 from typing import Any, NamedTuple
@@ -22,6 +21,7 @@ from keras import ops
 from keras_nanguard import _kernels as kernels
 from keras_nanguard._host_device import host_view
 from keras_nanguard.errors import NonFiniteError
+from keras_nanguard.flight.recorder import Reason
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.settings import Settings
@@ -33,18 +33,6 @@ RECENT_STEPS = 30
 FROZEN_STEPS = RECENT_STEPS
 # `quarantine_log` names the last `QUARANTINE_LOG_ROWS` quarantined rows.
 QUARANTINE_LOG_ROWS = 512
-
-
-class Reason(enum.IntEnum):
-    """Why the last rejected step was rejected: the code `last_rejection`
-    holds (the README lists them)."""
-
-    NONE = 0  # no step rejected yet
-    GRADIENT = 1  # a gradient was not finite
-    UPDATE = 2  # the update made a weight or optimizer variable non-finite
-    SPIKE = 3  # the gradient norm was a spike (`spike_factor`)
-    LOSS_SCALE_OVERFLOW = 4  # a loss scaler skipped it, the loss finite
-    LOSS = 5  # a loss scaler skipped it, the loss not finite
 
 
 def _counter(

@@ -15,10 +15,10 @@ import keras
 from keras import ops
 
 from keras_nanguard._backend import current as backend
+from keras_nanguard.flight.recorder import FlightRecorder
 from keras_nanguard.safe_optimizer import loss_scaling, on_batch, step_ops
 from keras_nanguard.safe_optimizer import observer as observing
 from keras_nanguard.safe_optimizer.counters import Counters
-from keras_nanguard.safe_optimizer.flight_recorder import FlightRecorder
 from keras_nanguard.safe_optimizer.forward_state import (
     build_for,
     forward_state,

@@ -12,6 +12,8 @@ import keras
 import numpy as np
 
 from keras_nanguard._validation import check_bool, check_in, check_int
+from keras_nanguard.flight.record import FlightRecord
+from keras_nanguard.flight.recorder import PROBE_EVERY, FlightRecorder
 from keras_nanguard.safe_optimizer import file_layouts as layouts
 from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.attributes import CounterAttribute, SettingAttribute
@@ -20,8 +22,6 @@ from keras_nanguard.safe_optimizer.counters import (
     Counters,
     variable_names,
 )
-from keras_nanguard.safe_optimizer.flight_record import FlightRecord
-from keras_nanguard.safe_optimizer.flight_recorder import PROBE_EVERY, FlightRecorder
 from keras_nanguard.safe_optimizer.inner import forwarded, refuse_unknown, resolve_inner
 from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
 from keras_nanguard.safe_optimizer.quarantine import (
@@ -665,6 +665,12 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         recorder = self._recorder
         values = recorder.start_read() if recorder.ring is not None else None
         return lambda: FlightRecord.of(recorder, values)
+
+    def _newest_alarm(self, lag: int) -> int:
+        """The step of the flight recorder's newest alarm the host knows
+        without waiting (NaNGuard reads the record when it rings); see
+        `FlightRecorder.newest_alarm`."""
+        return self._recorder.newest_alarm(lag)
 
     def observe(
         self, *, loss: Any = None, inputs: Any = None, outputs: Any = None

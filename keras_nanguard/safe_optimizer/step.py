@@ -19,10 +19,10 @@ from keras import ops
 
 from keras_nanguard import _kernels as kernels
 from keras_nanguard._backend import current as backend
+from keras_nanguard.flight.recorder import FlightRecorder
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.counters import Counters, StepOutcome
-from keras_nanguard.safe_optimizer.flight_recorder import FlightRecorder
 from keras_nanguard.safe_optimizer.settings import Settings
 
 # Clips a gradient list: its clipped copy.

@@ -1,5 +1,6 @@
-"""A corpus of training runs with known fates, made in code: what
-`NaNGuard.explain()` and its early warning are measured on.
+"""A corpus of training runs with known fates, made in code: what the tests
+hold `NaNGuard.explain()` and its early warning to (the held-out evaluation,
+on runs written apart from the rules, is `benchmarks/diagnosis_runs.py`).
 
 Each run is a `Run`: a model (MLPs, a CNN, a recurrent net, an actor's
 softmax policy, a transformer block), its data (made here, seeded), an
@@ -7,7 +8,7 @@ optimizer and the cause it diverges from, or `"healthy"`. They are small
 enough for CI (a few hundred steps of tiny models) and run the same on
 TensorFlow, JAX and PyTorch through `model.fit`:
 
->>> from keras_nanguard.flight import corpus
+>>> from tests import corpus
 >>> sorted(corpus.RUNS)[:2]
 ['activation_growth_deep', 'activation_growth_mlp']
 
@@ -290,6 +291,23 @@ def _deep_relu(depth: int) -> Callable[[], keras.Model]:
     return _mlp(8, 1, width=64, depth=depth, activation="relu", init=init)
 
 
+def _digits() -> Data:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return (d.data / 16.0).astype("float32"), d.target.astype("int32")
+
+
+def _digits_mlp() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+
+
 def _count_targets(data: Data) -> Data:
     x, y = data
     return x, y.astype("float32")[:, None]
@@ -474,7 +492,43 @@ RUNS: dict[str, Run] = {
         8,
         "The same task at a constant rate: it trains for 300 steps first.",
     ),
+    # ------------------------------------------------ stalled
+    "stalled_schedule_to_zero": Run(
+        "stalled",
+        _mlp(16, 4),
+        lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(1e-3, 20, 0.01)
+        ),
+        _classes,
+        SCCE_LOGITS,
+        16,
+        2,
+        "A classifier whose decay schedule reaches zero within 60 steps, "
+        "long before it has learnt anything.",
+    ),
+    "stalled_clipped_to_nothing": Run(
+        "stalled",
+        _mlp(16, 4),
+        lambda: keras.optimizers.SGD(0.01, global_clipnorm=1e-6),
+        _classes,
+        SCCE_LOGITS,
+        16,
+        2,
+        "SGD with global_clipnorm=1e-6: every update is scaled to nothing.",
+    ),
     # ------------------------------------------------ healthy
+    "healthy_confident_classifier": Run(
+        "healthy",
+        _digits_mlp,
+        lambda: keras.optimizers.Adam(3e-3),
+        _digits,
+        "sparse_categorical_crossentropy",
+        32,
+        40,
+        "A digits MLP from softmax probabilities, Adam 3e-3: 100% training "
+        "accuracy, its smallest probability far below 1e-14, as a confident "
+        "classifier's is.",
+    ),
     "healthy_mlp": Run(
         "healthy",
         _mlp(16, 4),
@@ -562,13 +616,18 @@ RUNS: dict[str, Run] = {
 }
 
 
-def run(name: str, *, early_warning: bool | str = True, seed: int = 1) -> Any:
-    """Trains the corpus run `name` and returns its `NaNGuard`."""
+def run(
+    name: str, *, early_warning: bool | str = True, seed: int = 1, model_out=None
+) -> Any:
+    """Trains the corpus run `name` and returns its `NaNGuard` (and puts the
+    model in `model_out`, a list, if given)."""
     import keras_nanguard as ng
 
     spec = RUNS[name]
     keras.utils.set_random_seed(seed)
     model = spec.model()
+    if model_out is not None:
+        model_out.append(model)
     x, y = spec.data()
     optimizer = ng.SafeOptimizer(spec.optimizer())
     model.compile(optimizer=optimizer, loss=spec.loss)

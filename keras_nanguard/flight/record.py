@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_nanguard.safe_optimizer.flight_recorder import (
+from keras_nanguard.flight.recorder import (
     COLUMN,
     GLOBAL_COLUMNS,
     FlightRecorder,

@@ -31,6 +31,7 @@ break a compiled graph.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -42,9 +43,55 @@ from keras import ops
 from keras_nanguard import _kernels as kernels
 from keras_nanguard._backend import current as backend
 
+
+class Reason(enum.IntEnum):
+    """Why a step was rejected: the one vocabulary of the counters
+    (`last_rejection`), the flight recorder's `reason` column and the run
+    diagnosis (the README lists them)."""
+
+    NONE = 0  # accepted (the counters: no step rejected yet)
+    GRADIENT = 1  # a gradient was not finite
+    UPDATE = 2  # the update made a weight or optimizer variable non-finite
+    SPIKE = 3  # the gradient norm was a spike (`spike_factor`)
+    LOSS_SCALE_OVERFLOW = 4  # a loss scaler skipped it, the loss finite
+    LOSS = 5  # a loss scaler skipped it, the loss not finite
+    HALTED = 6  # refused: the optimizer halted (`max_consecutive_skips`)
+
+    @property
+    def words(self) -> str:
+        """The reason in a few words, as the run diagnosis says it."""
+        return _REASON_WORDS[self]
+
+
+_REASON_WORDS = {
+    Reason.NONE: "no rejection",
+    Reason.GRADIENT: "a non-finite gradient",
+    Reason.UPDATE: "a non-finite update",
+    Reason.SPIKE: "a gradient-norm spike",
+    Reason.LOSS_SCALE_OVERFLOW: "a loss-scale overflow",
+    Reason.LOSS: "a non-finite loss",
+    Reason.HALTED: "a halt",
+}
+
 RING_STEPS = 256
 HISTORY_PROBES = 512
 PROBE_EVERY = 16
+
+# The device's alarm, decided every step: the host reads the record when it
+# rings (`FlightRecorder.newest_alarm`), and the run diagnosis decides. It
+# rings on a gradient norm ALARM_GROWTH times its running level (an average
+# of its logarithm over the accepted steps, ALARM_AVERAGING per step, after
+# ALARM_FROM steps), and on probes whose figures cross the diagnosis's
+# thresholds: an update-to-weight ratio above RATIO_ONSET, a second-moment
+# denominator below STATE_WARN, a probability below PROB_WARN. In compiled
+# steps, the step after a jump is a probe; in eager ones, the step after the
+# host hears of an alarm.
+ALARM_GROWTH = 10.0
+ALARM_AVERAGING = 0.1
+ALARM_FROM = 8
+RATIO_ONSET = 0.05
+STATE_WARN = 1e-12
+PROB_WARN = 1e-14
 
 # The columns of a row, in order; per-layer columns follow, one block of
 # `len(layers)` each: GRAD, WEIGHT and UPDATE norms.
@@ -52,7 +99,7 @@ GLOBAL_COLUMNS = (
     "step",  # the optimizer's step count, 1 for its first (never rolled back)
     "iterations",  # the inner optimizer's `iterations` after the step
     "accepted",  # 1.0 if committed, 0.0 if rejected
-    "reason",  # 0 accepted, 1 gradient, 2 update, 3 spike, 4 other (halt)
+    "reason",  # a `Reason` (NONE: accepted)
     "grad_norm",  # global norm of the raw gradients
     "learning_rate",  # the rate the step used
     "probe",  # 1.0 on probe rows
@@ -73,10 +120,30 @@ _OBSERVED = ("loss", "input_max", "output_max", "entropy", "min_prob")
 
 
 def layer_of(variable: keras.Variable) -> str:
-    """The name of the layer a variable belongs to (its path's parent)."""
+    """The layer a variable belongs to, by its full path (the variable's
+    path less its own name)."""
     path = getattr(variable, "path", None) or variable.name
     parts = path.split("/")
-    return parts[-2] if len(parts) > 1 else parts[0]
+    return "/".join(parts[:-1]) if len(parts) > 1 else parts[0]
+
+
+def block_names(paths: Sequence[str]) -> dict[str, str]:
+    """Each layer path's block name: the shortest end of it that no other
+    layer's path shares (`lstm/lstm_cell` and `lstm_1/lstm_cell`, never two
+    `lstm_cell`; `dense` alone when unique). Stable when a model is saved
+    and loaded, whose variables' paths then lack the model's name."""
+    distinct = list(dict.fromkeys(paths))
+    names = {}
+    for path in distinct:
+        parts = path.split("/")
+        for k in range(1, len(parts) + 1):
+            end = "/".join(parts[-k:])
+            if sum(q == end or q.endswith("/" + end) for q in distinct) == 1:
+                names[path] = end
+                break
+        else:
+            names[path] = path
+    return names
 
 
 class FlightRecorder:
@@ -96,7 +163,15 @@ class FlightRecorder:
         self.probes: Any = None
         self.ring: Any = None
         self.history: Any = None
+        self.alarm: Any = None  # the step of the newest alarm (0: none)
+        self.level: Any = None  # the gradient norm's running log-level
         self._calls = 0  # eager steps run: the host's probe cadence
+        # The host's side of the alarm: the newest alarm step the device
+        # told (`told`: it can), else copies of `alarm`, read `lag` later.
+        self.heard = 0
+        self.told = False
+        self._alarm_copies: list[Any] = []
+        self._probed = 0  # eager: the newest alarm a probe followed
         self._last_probe = False  # eager: whether the last step probed
         self._tables: dict = {}
         # Every step a probe (True) or none (False), for measuring what
@@ -119,8 +194,9 @@ class FlightRecorder:
         block per layer of `var_list`."""
         layers: dict[str, int] = {}
         recurrent: dict[str, bool] = {}
+        short = block_names([layer_of(v) for v in var_list])
         for v in var_list:
-            name = layer_of(v)
+            name = short[layer_of(v)]
             last = (getattr(v, "path", None) or v.name).split("/")[-1]
             if "recurrent" in last:  # a block of its own: growth through time
                 name = f"{name}/{last}"
@@ -149,9 +225,18 @@ class FlightRecorder:
         self.history = make(
             "flight_history", (HISTORY_PROBES + 1, width), "float32", 0.0
         )
+        self.alarm = make("flight_alarm", (), "int32", 0)
+        self.level = make("flight_level", (), "float32", 0.0)
 
     def variables(self) -> list[keras.Variable]:
-        found = (self.steps, self.probes, self.ring, self.history)
+        found = (
+            self.steps,
+            self.probes,
+            self.ring,
+            self.history,
+            self.alarm,
+            self.level,
+        )
         return [v for v in found if v is not None]
 
     # ------------------------------------------------------------ the step
@@ -180,15 +265,17 @@ class FlightRecorder:
         grad_norms = ops.sqrt(self._per_layer(grads_sq, checked, n))
         probe, extra = self._probe(inner, variables, old, n)
         step = self.steps.value + 1
-        # 0 accepted, 1 gradient, 2 update, 3 spike, 4 other (a halt).
-        other: Any = (
-            4.0 if outcome.spike is None else ops.where(outcome.spike, 3.0, 4.0)
-        )
+        code = {r: float(r.value) for r in Reason}
+        other: Any = code[Reason.HALTED]
+        if outcome.spike is not None:
+            other = ops.where(outcome.spike, code[Reason.SPIKE], other)
         reason = ops.where(
             outcome.ok,
-            0.0,
+            code[Reason.NONE],
             ops.where(
-                ~outcome.grads_ok, 1.0, ops.where(~outcome.update_ok, 2.0, other)
+                ~outcome.grads_ok,
+                code[Reason.GRADIENT],
+                ops.where(~outcome.update_ok, code[Reason.UPDATE], other),
             ),
         )
         nan = ops.convert_to_tensor(math.nan, "float32")
@@ -207,6 +294,64 @@ class FlightRecorder:
             [ops.stack(head), ops.cast(grad_norms, "float32"), extra[1:]]
         )
         self._write(row, step, probe)
+        self._ring_alarm(step, outcome, probe, extra, n)
+
+    def _ring_alarm(
+        self, step: Any, outcome: Any, probe: Any, extra: Any, n: int
+    ) -> None:
+        """Decides this step's alarm on the device (see `ALARM_GROWTH`) and
+        moves the gradient norm's running level."""
+        g = ops.cast(outcome.norm, "float32")
+        log_g = ops.log(ops.maximum(kernels.to_finite(g), 1e-30))
+        level = self.level.value
+        jump = ops.logical_and(
+            ops.logical_and(outcome.ok, step > ALARM_FROM),
+            log_g > level + math.log(ALARM_GROWTH),
+        )
+        first = step == 1
+        moved = level + ALARM_AVERAGING * (log_g - level)
+        self.level.assign(
+            ops.where(
+                first,
+                ops.where(outcome.ok, log_g, 0.0),
+                ops.where(outcome.ok, moved, level),
+            )
+        )
+        weights, updates = extra[1 : 1 + n], extra[1 + n :]
+        ratio = (
+            ops.amax(
+                ops.where(
+                    weights > 0, updates / ops.where(weights > 0, weights, 1.0), 0.0
+                )
+            )
+            if n
+            else ops.convert_to_tensor(0.0)
+        )
+        drift = ops.logical_or(ratio > RATIO_ONSET, extra[0] < STATE_WARN)
+        self._raise(ops.logical_or(jump, ops.logical_and(probe, drift)), step)
+
+    def _raise(self, ringing: Any, step: Any) -> None:
+        """Sets the alarm to `step` where `ringing`, and tells the host."""
+        self.alarm.assign(ops.where(ringing, ops.cast(step, "int32"), self.alarm.value))
+        if backend.tell_host(ringing, step, self._hear):
+            self.told = True  # written only then: no Python state for dynamo
+
+    def _hear(self, step: int) -> None:
+        self.heard = max(self.heard, step)  # on a thread of the device's runtime
+
+    def newest_alarm(self, lag: int) -> int:
+        """The step of the newest alarm the host knows without waiting for
+        the device (0: none): told by the device where it can, else read
+        from a copy of the alarm started `lag` calls before (each call
+        starts one; not in JAX's `fit`, whose variables are the trainer's
+        during an epoch)."""
+        if self.alarm is None or self.told or backend.STATELESS_TRAIN_STEP:
+            return self.heard
+        self._alarm_copies.append(backend.start_host_copies([self.alarm.value])[0])
+        if len(self._alarm_copies) > lag:
+            copy = self._alarm_copies.pop(0)
+            self.heard = max(self.heard, int(np.asarray(ops.convert_to_numpy(copy))))
+        return self.heard
 
     def _write(self, row: Any, step: Any, probe: Any) -> None:
         row = kernels.to_finite(row)
@@ -284,11 +429,24 @@ class FlightRecorder:
         if backend.compiling():  # every step: a count would recompile
             return ops.convert_to_tensor(True), measure()
         if backend.executing_eagerly(self.steps):
-            due = self._calls % self.probe_every == 0
+            # By the cadence, or once for each alarm the host heard of.
+            due = self._calls % self.probe_every == 0 or self.heard > self._probed
+            self._probed = max(self._probed, self.heard)
             self._calls += 1
             self._last_probe = due
             return ops.convert_to_tensor(due), measure() if due else skip()
-        due_now = ops.mod(self.steps.value, self.probe_every) == 0
+        # Due by the cadence, or right after an alarm the last step raised
+        # without probing (a jump of its gradient norm).
+        steps = self.steps.value
+        last = ops.mod(steps - 1 + RING_STEPS, RING_STEPS)
+        probed = self.ring.value[last, COLUMN["probe"]] > 0
+        due_now = ops.logical_or(
+            ops.mod(steps, self.probe_every) == 0,
+            ops.logical_and(
+                ops.logical_and(steps > 0, self.alarm.value == steps),
+                ops.logical_not(probed),
+            ),
+        )
         return due_now, ops.cond(due_now, measure, skip)
 
     # ----------------------------------------------------- after the step
@@ -322,6 +480,8 @@ class FlightRecorder:
         else:
             probe = self.ring.value[at, COLUMN["probe"]] > 0
             values = ops.cond(probe, batch_figures, loss_only)
+        low = values[_OBSERVED.index("min_prob")] < PROB_WARN
+        self._raise(ops.logical_and(probe, low), self.steps.value)
         first = COLUMN[_OBSERVED[0]]
         values = kernels.to_finite(values)
         backend.assign_block(self.ring, at, first, values)
@@ -373,24 +533,31 @@ def _input_max(inputs: Any) -> list[Any]:
 
 def _output_figures(outputs: Any) -> list[Any]:
     """The largest |output|, and for probability outputs (non-negative, rows
-    summing to 1) their mean entropy and smallest probability (NaN if not)."""
+    summing to 1) their mean entropy and smallest probability (NaN if none
+    is): over every output of a model with several (an actor-critic's
+    policy and value), the first probability output's entropy."""
     nan = ops.convert_to_tensor(math.nan, "float32")
     flat = [t for t in keras.tree.flatten(outputs) if t is not None]
     if not flat:
         return [nan, nan, nan]
-    y = ops.cast(flat[-1], "float32")
     largest = ops.amax(
         ops.stack([ops.amax(ops.abs(ops.cast(t, "float32"))) for t in flat])
     )
-    if len(y.shape) < 1 or y.shape[-1] in (None, 1):
-        return [largest, nan, nan]
-    smallest = ops.amin(y)
-    sums = ops.sum(y, axis=-1)
-    is_prob = ops.logical_and(smallest >= 0.0, ops.amax(ops.abs(sums - 1.0)) < 1e-3)
-    plogp = ops.where(y > 0.0, y * ops.log(ops.where(y > 0.0, y, 1.0)), 0.0)
-    entropy = -ops.mean(ops.sum(plogp, axis=-1))
-    return [
-        largest,
-        ops.where(is_prob, entropy, nan),
-        ops.where(is_prob, smallest, nan),
-    ]
+    entropy, smallest = nan, nan
+    for t in reversed(flat):  # the first output's figures are chosen last
+        y = ops.cast(t, "float32")
+        if len(y.shape) < 1 or y.shape[-1] in (None, 1):
+            continue
+        low = ops.amin(y)
+        sums = ops.sum(y, axis=-1)
+        is_prob = ops.logical_and(low >= 0.0, ops.amax(ops.abs(sums - 1.0)) < 1e-3)
+        plogp = ops.where(y > 0.0, y * ops.log(ops.where(y > 0.0, y, 1.0)), 0.0)
+        h = -ops.mean(ops.sum(plogp, axis=-1))
+        entropy = ops.where(is_prob, h, entropy)
+        # The smallest over every probability output.
+        smallest = ops.where(
+            is_prob,
+            ops.where(ops.isnan(smallest), low, ops.minimum(low, smallest)),
+            smallest,
+        )
+    return [largest, entropy, smallest]
