@@ -302,7 +302,7 @@ def _digits_mlp() -> keras.Model:
     return keras.Sequential(
         [
             keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(128, activation="relu"),
             keras.layers.Dense(10, activation="softmax"),
         ]
     )

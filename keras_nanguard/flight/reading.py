@@ -133,10 +133,8 @@ HINTS: dict[str, list[str]] = {
         "the weights and the optimizer in float32 "
         "(keras.mixed_precision.set_global_policy('mixed_bfloat16')).",
         "A clipnorm far below the gradients' norm scales every update to "
-        "nothing; ReLU units that start dead (a large negative bias) never "
-        "recover: use a zero bias, He initialisation, or LeakyReLU.",
-        "A loss stuck where it started after a rate far too high: lower the "
-        "rate 10x and start again.",
+        "nothing: clip at about the gradients' median norm (the record's "
+        "grad_norm column).",
     ],
     "unknown": [
         "Run ng.diagnose(model, x, y) on the batch that failed (NaNGuard("
@@ -163,8 +161,9 @@ WORSENING = 10.0
 # explodes, look the same.)
 STALL_STEPS = 200
 FROZEN = 1e-7
-# Causes that are the consequence of another when it comes first: a
-# saturated softmax driven by updates too large, an explosion.
+# Causes that are named only when no other fits (then reported as what the
+# other drove): a saturated softmax, which updates too large, unnormalised
+# inputs or a growing activation bring about as well.
 SYMPTOMS = ("policy_collapse",)
 
 

@@ -6,7 +6,9 @@ step is a *probe* step, whose row also holds the signals that cost a pass
 over the weights, the optimizer state or the batch, and which is kept in a
 coarse history of the last `HISTORY_PROBES` probes (`flight_history`). No
 step reads anything back to the host: the rows are read at epoch ends, at
-incidents and on request (`FlightRecorder.read`).
+incidents, on request (`FlightRecorder.read`) and when the recorder's alarm
+rings (decided on the device every step, see `ALARM_GROWTH`; the host hears
+of it without waiting, `FlightRecorder.newest_alarm`).
 
 Every step (nearly free: the gradient norms are the transaction's own sums
 of squares): the step's number, `iterations`, accepted or not and why, the
@@ -172,6 +174,7 @@ class FlightRecorder:
         self.told = False
         self._alarm_copies: list[Any] = []
         self._probed = 0  # eager: the newest alarm a probe followed
+        self._eager_probes: list[int] = []  # eager: the last probes' steps
         self._last_probe = False  # eager: whether the last step probed
         self._tables: dict = {}
         # Every step a probe (True) or none (False), for measuring what
@@ -429,10 +432,14 @@ class FlightRecorder:
         if backend.compiling():  # every step: a count would recompile
             return ops.convert_to_tensor(True), measure()
         if backend.executing_eagerly(self.steps):
-            # By the cadence, or once for each alarm the host heard of.
-            due = self._calls % self.probe_every == 0 or self.heard > self._probed
+            # By the cadence, or once after an alarm the host heard of that
+            # a step without a probe raised (a jump), as compiled steps do.
+            jump = self.heard > self._probed and self.heard not in self._eager_probes
+            due = self._calls % self.probe_every == 0 or jump
             self._probed = max(self._probed, self.heard)
             self._calls += 1
+            if due:  # the step numbers of the last probes (steps count from 1)
+                self._eager_probes = [*self._eager_probes, self._calls][-8:]
             self._last_probe = due
             return ops.convert_to_tensor(due), measure() if due else skip()
         # Due by the cadence, or right after an alarm the last step raised

@@ -35,6 +35,8 @@ class FlightWatch:
         self.given: RunDiagnosis | None = None
         self._source: int | None = None  # id of the optimizer recorded
         self.alarm_seen = 0  # the newest alarm step read for
+        self._for_alarm = False  # the read now due is an alarm's
+        self.alarm_reads = 0  # reads the alarm asked for, over the guard's fits
         # The reads under way: the step each was asked at, and its finish.
         self._pending: list[tuple[int, Callable[[], FlightRecord]]] = []
 
@@ -49,12 +51,14 @@ class FlightWatch:
         not read for yet (polled every turn)."""
         if state.safe is None or state.now < 1:
             return False
-        alarm = state.safe._newest_alarm(2)
-        if alarm > self.alarm_seen:
-            self.alarm_seen = alarm
-            return True
+        alarm = state.safe._newest_alarm(2)  # polled every turn
+        rang = alarm > self.alarm_seen
+        self.alarm_seen = max(alarm, self.alarm_seen)
         every = getattr(getattr(state.safe, "_recorder", None), "probe_every", 16)
-        return state.now - self.read_at >= min(every, max(1, self.read_at))
+        if state.now - self.read_at >= min(every, max(1, self.read_at)):
+            return True  # the cadence's read (it reads for the alarm too)
+        self._for_alarm = rang  # a read besides the cadence, which stays
+        return rang
 
     def read(self, state: FitState, wait: bool = True) -> bool:
         """Adds the recorder's rows to the record. With `wait`, a host read
@@ -65,7 +69,11 @@ class FlightWatch:
             return False
         snapshots.sync_from_device(state.net)
         self._pending.append((state.now, state.safe._start_flight_read()))
-        self.read_at = state.now
+        if self._for_alarm:
+            self.alarm_reads += 1
+        else:
+            self.read_at = state.now  # the cadence's last read
+        self._for_alarm = False
         return self.collect(state, wait)
 
     def collect(self, state: FitState, wait: bool) -> bool:
