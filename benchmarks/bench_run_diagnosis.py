@@ -117,13 +117,13 @@ def train(
 
 
 def _load(replay: bool) -> list[dict]:
+    from keras_nanguard.flight.reading import RunDiagnosis, explain_warned
+    from keras_nanguard.flight.record import FlightRecord
+
     results = []
     for path in sorted((OUT / BACKEND).glob("*.json")):
         r = json.loads(path.read_text())
         if replay and path.with_suffix(".npz").exists():
-            from keras_nanguard.flight.reading import RunDiagnosis, explain_warned
-            from keras_nanguard.flight.record import FlightRecord
-
             z = np.load(path.with_suffix(".npz"))
             record = FlightRecord(
                 list(z["columns"]), list(z["blocks"]), list(z["recurrent"]), z["rows"]

@@ -681,15 +681,15 @@ def _stalled(s: _Signals) -> tuple | None:
         return None
     loss = s.record.column("loss")
     finite = loss[np.isfinite(loss)]
-    first = float(np.median(finite[:8])) if len(finite) >= 16 else math.nan
-    last = (
-        float(np.median(finite[-len(finite) // 10 :]))
-        if len(finite) >= 16
-        else math.nan
-    )
+    # The loss's level at the start and over the last tenth, where a loss
+    # was observed on 16 steps or more, all of it positive.
     positive = len(finite) >= 16 and bool((finite > 0).all())
-    if positive and last <= first / WORSENING:
-        return None  # learnt, then stopped: converged
+    first = last = math.nan
+    if positive:
+        first = float(np.median(finite[:8]))
+        last = float(np.median(finite[-len(finite) // 10 :]))
+        if last <= first / WORSENING:
+            return None  # learnt, then stopped: converged
     half = s.probe_steps >= s.steps[0] + (s.steps[-1] - s.steps[0]) / 2
     ratios = s.ratio[half]
     if half.sum() >= 4 and np.isfinite(ratios).all() and (ratios < FROZEN).all():
