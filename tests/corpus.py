@@ -192,6 +192,7 @@ def _mlp(
     activation: str = "tanh",
     init: Any = "glorot_uniform",
     head: str | None = None,
+    out_init: Any = "glorot_uniform",
 ) -> Callable[[], keras.Model]:
     def make() -> keras.Model:
         layers: list[Any] = [keras.Input((d,))]
@@ -201,7 +202,9 @@ def _mlp(
                     width, activation=activation, kernel_initializer=init
                 )
             )
-        layers.append(keras.layers.Dense(out, activation=head))
+        layers.append(
+            keras.layers.Dense(out, activation=head, kernel_initializer=out_init)
+        )
         return keras.Sequential(layers)
 
     return make
@@ -290,18 +293,14 @@ def _deep_relu(depth: int) -> Callable[[], keras.Model]:
     # are NumPy's, the same on every machine: a CI machine's torch drew
     # others, and that run stayed finite where ours diverged.
     def make() -> keras.Model:
-        r = _rng(7)
+        r = _rng(7)  # the same weights at each call
 
         def init(shape: Any, dtype: Any = None) -> np.ndarray:
             return (0.5 * r.normal(size=shape)).astype("float32")
 
-        layers: list[Any] = [keras.Input((8,))]
-        for _ in range(depth):
-            layers.append(
-                keras.layers.Dense(64, activation="relu", kernel_initializer=init)
-            )
-        layers.append(keras.layers.Dense(1, kernel_initializer=init))
-        return keras.Sequential(layers)
+        return _mlp(
+            8, 1, width=64, depth=depth, activation="relu", init=init, out_init=init
+        )()
 
     return make
 
