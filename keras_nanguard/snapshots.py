@@ -244,7 +244,9 @@ def capture(
     The caller syncs JAX state first.
     """
     variables = tracked(model)
-    if not device_room(variables):
+    # A value split across processes stays on the devices: each process
+    # keeps its own shards.
+    if not device_room(variables) and backend.held_whole(variables):
         host_into = into if into is not None and not into.on_device else None
         return take(model, epoch, step, into=host_into)
     start = time.perf_counter()
@@ -327,7 +329,7 @@ def assign(model: keras.Model, variables: list, values: list[np.ndarray]) -> Non
     keep = unchecked(model)
     for v, value in zip(variables, values, strict=True):
         if id(v) not in keep:
-            v.assign(backend.assignable(value))
+            v.assign(backend.assignable(value, v))
 
 
 def save(snapshot: Snapshot, directory: str | os.PathLike) -> str:

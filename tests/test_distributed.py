@@ -2,13 +2,6 @@
 MirroredStrategy on 2 logical CPUs; JAX's keras.distribution.DataParallel on
 2 host devices). A fault on one replica's shard only must be rejected by all."""
 
-import contextlib
-import os
-import re
-import socket
-import subprocess
-import sys
-import time
 
 import keras
 import numpy as np
@@ -16,6 +9,7 @@ import pytest
 
 import keras_nanguard as ng
 from tests.helpers import BACKEND, all_finite, assert_bit_identical
+from tests.launch import launch
 
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
 
@@ -175,94 +169,12 @@ def test_fit_with_a_poisoned_shard_and_nan_guard_rollback(strategy):
     _assert_replicas_agree(_state(model))
 
 
-# What a worker prints when its gRPC server cannot take its port.
-_BIND_FAILED = re.compile(
-    r"Address already in use|Could not start gRPC server|Failed to add port"
-)
-
-
-def _reserved_ports(n):
-    """`n` distinct loopback ports kept from the OS's ephemeral allocator.
-
-    TensorFlow's gRPC server binds the port named in TF_CONFIG itself, so no
-    socket of ours can be handed over, and binding, releasing and rebinding
-    leaves a window in which another process's `bind(0)` or `connect` may get
-    the port. Each port here is bound (all `n` at once, so they differ),
-    listened on, connected to and accepted, and the accepted side closed first:
-    the port sits in TIME_WAIT (about 60 s), and Linux does not hand a port in
-    TIME_WAIT to a plain `bind(0)`, while gRPC, which binds with SO_REUSEADDR,
-    can still take it. A process asking for that very port number can still
-    win the race: the caller retries with new ports on a bind failure.
-    """
-    with contextlib.ExitStack() as stack:
-        listeners = []
-        for _ in range(n):
-            s = stack.enter_context(socket.socket())
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("localhost", 0))
-            s.listen(1)
-            listeners.append(s)
-        for s in listeners:
-            client = stack.enter_context(socket.socket())
-            client.connect(s.getsockname())
-            accepted, _ = s.accept()
-            accepted.close()  # this side closes first: TIME_WAIT on the port
-        return [s.getsockname()[1] for s in listeners]
-
-
-def _run_workers(tmp_path, attempts=3):
-    """Runs the two workers to the end; new ports if one could not bind."""
-    worker = os.path.join(os.path.dirname(__file__), "mwms_worker.py")
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    for attempt in range(1, attempts + 1):
-        ports = [str(p) for p in _reserved_ports(2)]
-        logs = [tmp_path / f"worker{i}.attempt{attempt}.log" for i in range(2)]
-        procs = []
-        try:
-            for i, log in enumerate(logs):
-                with open(log, "wb") as out:  # a file: no pipe to fill up
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, worker, str(i), *ports, str(tmp_path)],
-                            env=env,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
-            _wait(procs, timeout=240)
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
-        outputs = [log.read_text(errors="replace") for log in logs]
-        failed = [o for p, o in zip(procs, outputs, strict=True) if p.returncode]
-        if not (failed and any(_BIND_FAILED.search(o) for o in failed)):
-            return procs, outputs
-        if attempt == attempts:
-            pytest.fail(
-                f"no free ports after {attempts} attempts:\n{failed[0][-3000:]}"
-            )
-
-
-def _wait(procs, timeout):
-    """Waits for both workers; once one fails, the other (waiting for its
-    peer) is stopped instead of waiting out the timeout."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode for p in procs) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute only")
 def test_multi_worker_mirrored_two_workers_on_loopback(tmp_path):
     """Two processes, MultiWorkerMirroredStrategy: a NaN in one worker's shard
     is rejected by both, which stay identical."""
-    procs, outputs = _run_workers(tmp_path)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(
-        f"--- worker {i}:\n{out[-3000:]}" for i, out in enumerate(outputs)
-    )
+    launch("tf_mwms.py", 2, tmp_path, ports=2)
     w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
     for i in range(3):
         assert w0[f"step{i}_weights"].tobytes() == w1[f"step{i}_weights"].tobytes()

@@ -196,6 +196,23 @@ def test_an_auto_cadence_keeps_the_cost_within_the_budget():
     assert auto.due(0.5) is True
 
 
+def test_an_auto_cadence_of_many_processes_takes_the_agreed_interval():
+    asked = []
+
+    def agree(interval):  # another process measured a slower job
+        asked.append(interval)
+        return max(interval, 300)
+
+    auto = cadence.Cadence("auto", budget=0.01, min_every=10, agree=agree)
+    assert auto.due(None, steps=9) is False
+    assert auto.due(0.5) is True  # the first: after min_every, as alone
+    auto.done(cost=1.0)  # this process alone: every 200 steps
+    assert asked == [200]
+    assert auto.due(0.001, steps=299) is False  # a faster step changes nothing
+    assert auto.due(0.001) is True  # until the next job is done
+    assert asked == [200]
+
+
 # ----------------------------------------------------------------- replay
 def test_replay_data_is_checked():
     x, y = np.zeros((10, 2)), np.zeros((10,))

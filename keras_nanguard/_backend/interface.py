@@ -73,9 +73,35 @@ class Backend(Protocol):
         """Overwrites device `buffers` with `values` (REUSES_DEVICE_BUFFERS)."""
         ...
 
-    def assignable(self, value: Tensor) -> Tensor:
-        """`value` as it may be assigned to a variable whose later steps may
-        donate or overwrite it: a device snapshot lends a copy on JAX."""
+    def assignable(self, value: Tensor, variable: keras.Variable) -> Tensor:
+        """`value` as it may be assigned to `variable`, whose later steps may
+        donate or overwrite it: a device snapshot lends a copy on JAX, and a
+        host value is placed as the variable is (across processes, each
+        process its own part)."""
+        ...
+
+    def processes(self) -> tuple[int, int]:
+        """This process's index and the number of processes that train
+        together (JAX's processes, torch.distributed's world,
+        MultiWorkerMirroredStrategy's workers); `(0, 1)` alone."""
+        ...
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every process's `values` (int32, the same length on each), in
+        process order: a collective that every process calls at the same
+        point."""
+        ...
+
+    def held_whole(self, variables: list[keras.Variable]) -> bool:
+        """Whether this process holds the whole value of each of `variables`
+        (False: a layout splits one across processes)."""
+        ...
+
+    def replica_sum(self, value: Tensor) -> tuple[Tensor, int]:
+        """In a replica's step (tf.distribute's replica context, a
+        torch.distributed process), `value` summed over the replicas that
+        train together, and their number; else `(value, 1)` (JAX's
+        `keras.distribution` steps are global already)."""
         ...
 
     def sync_state(self, model: keras.Model) -> None:

@@ -104,10 +104,21 @@ def copy_into(buffers: list[Tensor], values: list[Tensor]) -> None:
     raise TypeError("JAX arrays are immutable: a device snapshot is not reused")
 
 
-def assignable(value: Tensor) -> Tensor:
+def assignable(value: Tensor, variable: keras.Variable) -> Tensor:
+    if isinstance(value, np.ndarray):
+        held = variable.value
+        if held.is_fully_addressable:
+            return value
+        # Across processes: each process places its own part of the host
+        # value, with no collective (`device_put` of a host array checks
+        # that every process passes the same one, NaN never equal to itself).
+        return jax.make_array_from_callback(
+            value.shape, held.sharding, lambda index: value[index]
+        )
     # JAX keeps an assigned array as is, and the next step donates it: a
-    # device snapshot must lend a copy.
-    return value if isinstance(value, np.ndarray) else device_copy(value)
+    # device snapshot lends a copy, jitted to keep its sharding (Keras then
+    # places it as it is).
+    return _copies([value])[0]
 
 
 def sync_state(model: keras.Model) -> None:
@@ -226,3 +237,26 @@ def gradient_pass(
         loss,
         lambda: common.numpy_grads(jax.grad(objective)([v.value for v in tv])),
     )
+
+
+def processes() -> tuple[int, int]:
+    return jax.process_index(), jax.process_count()
+
+
+def gather_ints(values: list[int]) -> list[list[int]]:
+    if jax.process_count() == 1:
+        return [list(values)]
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))
+    return np.asarray(gathered).reshape(jax.process_count(), -1).tolist()
+
+
+def held_whole(variables: list[keras.Variable]) -> bool:
+    return all(
+        v.value.is_fully_addressable or v.value.is_fully_replicated for v in variables
+    )
+
+
+def replica_sum(value: Tensor) -> tuple[Tensor, int]:
+    return value, 1  # a keras.distribution step sees the global batch

@@ -64,7 +64,7 @@ def copy_into(buffers: list[Tensor], values: list[Tensor]) -> None:
     raise TypeError("TensorFlow keeps no device snapshots to reuse")
 
 
-def assignable(value: Tensor) -> Tensor:
+def assignable(value: Tensor, variable: keras.Variable) -> Tensor:
     return value
 
 
@@ -228,3 +228,53 @@ def gradient_pass(
         y_pred = model(x, training=True)
         loss = loss_of(y_pred)
     return y_pred, loss, lambda: common.numpy_grads(tape.gradient(loss, tv))
+
+
+def _workers() -> Any:
+    """The MultiWorkerMirroredStrategy in scope with more than one worker,
+    or None."""
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    resolver = strategy.cluster_resolver
+    if resolver.cluster_spec().num_tasks("worker") < 2:
+        return None
+    return strategy
+
+
+def processes() -> tuple[int, int]:
+    strategy = _workers()
+    if strategy is None:
+        return 0, 1
+    resolver = strategy.cluster_resolver
+    return int(resolver.task_id), resolver.cluster_spec().num_tasks("worker")
+
+
+def gather_ints(values: list[int]) -> list[list[int]]:
+    strategy = _workers()
+    if strategy is None:
+        return [list(values)]
+    local = tf.constant([list(values)], tf.int32)
+
+    def gather() -> Any:
+        return tf.distribute.get_replica_context().all_gather(local, axis=0)
+
+    # Each replica's copy: the workers' devices in order, each worker's
+    # values once per local device.
+    out = strategy.experimental_local_results(strategy.run(gather))[0].numpy()
+    per_worker = len(out) // processes()[1]
+    return out[::per_worker].tolist()
+
+
+def held_whole(variables: list[keras.Variable]) -> bool:
+    return True  # a worker's mirrored variables are whole on each device
+
+
+def replica_sum(value: Tensor) -> tuple[Tensor, int]:
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return value, 1
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value, 1
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    return total, context.num_replicas_in_sync

@@ -86,7 +86,7 @@ def copy_into(buffers: list[Tensor], values: list[Tensor]) -> None:
         buffer.copy_(value.detach())
 
 
-def assignable(value: Tensor) -> Tensor:
+def assignable(value: Tensor, variable: keras.Variable) -> Tensor:
     return value
 
 
@@ -263,3 +263,37 @@ def gradient_pass(
 def _clear_grads(variables: list[keras.Variable]) -> None:
     for v in variables:
         v.value.grad = None
+
+
+def processes() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_ints(values: list[int]) -> list[list[int]]:
+    import torch.distributed as dist
+
+    index, count = processes()
+    if count == 1:
+        return [list(values)]
+    gathered: list[Any] = [None] * count
+    dist.all_gather_object(gathered, [int(v) for v in values])
+    return [list(g) for g in gathered]
+
+
+def held_whole(variables: list[keras.Variable]) -> bool:
+    return True  # a torch process holds its tensors whole
+
+
+def replica_sum(value: Tensor) -> tuple[Tensor, int]:
+    import torch.distributed as dist
+
+    _, count = processes()
+    if count == 1:
+        return value, 1
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total, count

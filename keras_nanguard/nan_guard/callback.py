@@ -36,6 +36,7 @@ from keras_nanguard.nan_guard import runs as _runs
 from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
 from keras_nanguard.nan_guard import telling
 from keras_nanguard.nan_guard.fit_state import Settings, start_fit
+from keras_nanguard.nan_guard import processes as _processes
 from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
@@ -232,9 +233,13 @@ class NaNGuard(keras.callbacks.Callback):
         self.run_index: int | None = None
         self._epochs: _runs.Epochs | None = None  # a copy's, see `runs`
 
-    # On JAX and torch Keras runs `on_train_batch_end` in worker threads,
-    # only when every callback is async-safe. On TensorFlow it stays in line.
-    async_safe = backend.ASYNC_BATCH_END
+    @property
+    def async_safe(self) -> bool:
+        """Whether Keras may run `on_train_batch_end` in its worker threads:
+        on JAX and torch, in a job of one process (Keras asks when `fit`
+        begins). On TensorFlow, and across processes, it stays in line, at
+        the same point of every process's loop (see `processes`)."""
+        return backend.ASYNC_BATCH_END and _processes.processes()[1] == 1
 
     # ------------------------------------------------------------ what it keeps
     @property
@@ -283,12 +288,16 @@ class NaNGuard(keras.callbacks.Callback):
         # Again: the paths may have changed since the constructor.
         check_output_paths(self.directory, self.report_path, writable=True)
         settings = Settings.of(self)
+        index, count = _processes.processes()
+        _processes.check_engine(count)
+        if count > 1:
+            _processes.check_same_settings(settings)
         net = self.model  # once: see `FitState.net`
         if self.policy == "rollback":  # the only policy that lowers the rate
             said = _learning_rate.schedule_warning(net.optimizer, self.lr_factor)
             if said is not None:
                 telling.warn(said)
-        state = start_fit(self._fits, net, settings)
+        state = start_fit(self._fits, net, settings, (index, count))
         self._fits += 1
         self._keeper.begin_fit()
         self._log.begin_fit()
@@ -398,7 +407,7 @@ class NaNGuard(keras.callbacks.Callback):
         telling.publish(logs, len(self.incidents), self.rollbacks, rejected)
 
     def _write_report(self) -> None:
-        if self.report_path is not None:
+        if self.report_path is not None and _processes.processes()[0] == 0:
             write_json(self.report_path, self.report())
         if self.origin is not None:  # the runs together, in the origin's
             self.origin._write_report()

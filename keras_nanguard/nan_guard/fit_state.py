@@ -19,9 +19,11 @@ from typing import Any
 import keras
 
 from keras_nanguard import snapshots
+from keras_nanguard._backend import current as backend
 from keras_nanguard.nan_guard import telling
 from keras_nanguard.nan_guard.batch_watch import BatchWatch, watch_for_fit
 from keras_nanguard.nan_guard.cadence import Cadence
+from keras_nanguard.nan_guard.processes import agree_max
 from keras_nanguard.nan_guard.safe_counters import SafeCounters, SafeOptimizers
 from keras_nanguard.safe_optimizer import SafeOptimizer
 
@@ -96,14 +98,22 @@ class FitState:
     # The SafeOptimizer's `quarantine_steps` before this fit's first step
     # (read at the first turn, after `BackupAndRestore` may have loaded it).
     quarantine_base: int = 0
+    process: int = 0  # this process's index (process 0 writes the files)
 
 
-def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
+def start_fit(
+    fit: int,
+    net: keras.Model,
+    settings: Settings,
+    processes: tuple[int, int] = (0, 1),
+) -> FitState:
     """The state of fit number `fit` of `net`, which begins now on this
     thread: its SafeOptimizers, if any (see `safe_optimizers_of`), the one
     compiled as `model.optimizer` attached (a rejected step then keeps
     BatchNormalization statistics too), and its batch-end side started from
-    their totals (one read per fit)."""
+    their totals (one read per fit). `processes`: this process's index and
+    the number of processes training together (their "auto" cadences
+    agree)."""
     named = safe_optimizers_of(net)
     safe: SafeCounters | None = None
     if len(named) == 1:
@@ -129,6 +139,18 @@ def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
     _warn_unattached(net, [name for name in named if name != "optimizer"])
     if safe is not None:
         snapshots.sync_from_device(net)
+    if processes[1] > 1 and settings.directory and not backend.held_whole(
+        snapshots.tracked(net)
+    ):
+        raise ValueError(
+            "`directory`: process 0 writes the snapshot files, and a layout "
+            "splits variables across processes here, so no process holds the "
+            "whole state; leave `directory` out (each process keeps its own "
+            "shards for rollbacks) and checkpoint with a sharded format. "
+            f"Received: directory={settings.directory!r} on {processes[1]} "
+            "processes"
+        )
+    agree = agree_max if processes[1] > 1 else None
     watch = watch_for_fit(
         safe,
         settings.loss_spike_sigma,
@@ -144,9 +166,10 @@ def start_fit(fit: int, net: keras.Model, settings: Settings) -> FitState:
         watch=watch,
         net=net,
         snapshot_cadence=Cadence(
-            settings.snapshot_every, settings.snapshot_budget, min_every=10
+            settings.snapshot_every, settings.snapshot_budget, 10, agree
         ),
-        check_cadence=Cadence(settings.check_every, 0.01, min_every=1),
+        check_cadence=Cadence(settings.check_every, 0.01, 1, agree),
+        process=processes[0],
     )
 
 

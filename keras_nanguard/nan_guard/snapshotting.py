@@ -9,6 +9,7 @@ incident and acts on the trouble (`Responses`).
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 from keras_nanguard import snapshots
@@ -91,15 +92,22 @@ class Snapshotter:
     def save(self, snap: snapshots.Snapshot) -> float:
         """Writes `snap` to `directory` (NaNGuard's file and a Keras weights
         file), with the learning rate training goes on with; returns the
-        seconds it took."""
+        seconds it took. In a job of many processes process 0 writes them;
+        the others write the weights file into a scratch directory that is
+        then deleted, since Keras's `save_weights` there places values with
+        a collective that every process must join."""
         if self.directory is None:
             return 0.0
         start = time.perf_counter()
         net = self.state.net
         snapshots.sync_from_device(net)
         snap.learning_rate = snapshots.learning_rate(net)
-        snapshots.save(snap, self.directory)
-        snapshot_files.save_weights_file(net, snap, self.directory)
+        if self.state.process == 0:
+            snapshots.save(snap, self.directory)
+            snapshot_files.save_weights_file(net, snap, self.directory)
+        else:
+            with tempfile.TemporaryDirectory() as scratch:
+                snapshot_files.save_weights_file(net, snap, scratch)
         return time.perf_counter() - start
 
     def restore(self) -> None:

@@ -291,17 +291,25 @@ def _without_bad_rows(
     keep = ops.logical_or(~bad, over)
     scale = None
     if to_healthy_mean:
+        # Over the healthy rows of the global batch: a replica's loss, which
+        # the replicas average, divides by its share of them.
         size = ops.cast(ops.shape(bad)[0], "float32")
         kept = size - ops.sum(ops.cast(bad, "float32"))
-        scale = ops.where(over, 1.0, size / ops.maximum(kept, 1.0))
+        kept_all, replicas = backend.replica_sum(kept)
+        scale = ops.where(
+            over, 1.0, size * replicas / ops.maximum(kept_all, 1.0)
+        )
     return y, y_pred, _weights(sample_weight, keep, scale)
 
 
 def too_many(bad: Any, max_fraction: float) -> Any:
     """Whether the rows `bad` are too many to quarantine: more than
-    `max_fraction` of the batch, or all of it."""
-    count = ops.sum(ops.cast(bad, "float32"))
-    size = ops.cast(ops.shape(bad)[0], "float32")
+    `max_fraction` of the (global) batch, or all of it."""
+    counts = ops.stack(
+        [ops.sum(ops.cast(bad, "float32")), ops.cast(ops.shape(bad)[0], "float32")]
+    )
+    counts, _ = backend.replica_sum(counts)
+    count, size = counts[0], counts[1]
     return ops.logical_or(count > max_fraction * size, count >= size)
 
 

@@ -1,6 +1,7 @@
 """One worker of the MultiWorkerMirroredStrategy test (run by test_distributed).
 
-Usage: python mwms_worker.py INDEX PORT0 PORT1 OUT_DIR. Each worker trains on
+Usage: python tf_mwms.py INDEX COUNT OUT_DIR PORT0 PORT1 (tests/launch.py).
+Each worker trains on
 its own batches; worker 1's second batch holds a NaN. Every worker writes
 its weights and counters after each step to OUT_DIR/worker{INDEX}.npz.
 """
@@ -11,12 +12,7 @@ import sys
 
 
 def main() -> None:
-    index, port0, port1, out_dir = (
-        int(sys.argv[1]),
-        sys.argv[2],
-        sys.argv[3],
-        sys.argv[4],
-    )
+    index, out_dir, port0, port1 = int(sys.argv[1]), sys.argv[3], *sys.argv[4:6]
     os.environ["TF_CONFIG"] = json.dumps(
         {
             "cluster": {"worker": [f"localhost:{port0}", f"localhost:{port1}"]},
