@@ -43,14 +43,18 @@ def device_copies(values: list[Any]) -> list[Any]:
 
 def device_room(variables: list[keras.Variable]) -> bool:
     """Whether the device can hold three more copies of the state (the
-    rollback point, a new snapshot, a spare) with a quarter of it left free."""
+    rollback point, a new snapshot, a spare) with a quarter of it left free;
+    across processes, whether every process's devices can (a collective)."""
     need = 3 * sum(
         int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables
     )
     try:
-        return backend.device_room(variables, need)
+        room = backend.device_room(variables, need)
     except Exception:  # no figures: the host is the safe place
-        return False
+        room = False
+    if backend.processes()[1] > 1:  # every process keeps its copy alike
+        room = all(r[0] for r in backend.gather_ints([int(room)]))
+    return room
 
 
 def held_value(v: keras.Variable) -> Any:

@@ -37,9 +37,7 @@ def launch(
     job outlived `timeout` seconds. New ports if one could not be bound."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     root = str(Path(__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, env.get("PYTHONPATH")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     for attempt in range(1, attempts + 1):
         chosen = [str(p) for p in _reserved_ports(ports)]
         logs = [out_dir / f"{worker}.{i}.attempt{attempt}.log" for i in range(count)]
@@ -69,9 +67,9 @@ def launch(
                 p.wait()
         outputs = [log.read_text(errors="replace") for log in logs]
         failed = [o for p, o in zip(procs, outputs, strict=True) if p.returncode]
-        if failed and not hung and any(_BIND_FAILED.search(o) for o in failed):
-            if attempt < attempts:
-                continue
+        rebind = failed and not hung and attempt < attempts
+        if rebind and any(_BIND_FAILED.search(o) for o in failed):
+            continue
         if hung or failed:
             said = "\n".join(
                 f"--- process {i} (exit {p.returncode}):\n{out[-3000:]}"

@@ -85,7 +85,7 @@ def tell_host(flag: Tensor, value: Tensor, listener: Callable[[int], None]) -> b
 
 
 def device_room(variables: list[keras.Variable], need: int) -> bool:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return True  # CPU
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

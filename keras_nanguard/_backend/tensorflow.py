@@ -104,23 +104,24 @@ def in_replica() -> bool:
 
 
 def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:
-    """`record_rows` under `tf.distribute`: the replicas' rows, in replica
-    order, recorded once in cross-replica context (mirrored writes)."""
+    """`record_rows` under `tf.distribute`: every replica's rows (of every
+    worker), in replica order, recorded once in cross-replica context
+    (mirrored writes, alike on every worker)."""
     ctx = tf.distribute.get_replica_context()
     if ctx is None or not tf.distribute.has_strategy():
         record(codes, over)
         return
+    limits = tf.fill(tf.shape(codes), tf.cast(tf.reshape(over, ()), tf.int32))
+    all_codes = ctx.all_gather(codes, axis=0)
+    all_limits = ctx.all_gather(limits, axis=0) > 0
 
     def cross_replica(distribution: Any, codes: Any, over: Any) -> None:
-        parts = distribution.experimental_local_results(codes)
-        limits = distribution.experimental_local_results(over)
-        rows = [
-            tf.fill(tf.shape(c), tf.reshape(o, ()))
-            for c, o in zip(parts, limits, strict=True)
-        ]
-        record(tf.concat(parts, 0), tf.concat(rows, 0))
+        record(
+            distribution.experimental_local_results(codes)[0],
+            distribution.experimental_local_results(over)[0],
+        )
 
-    ctx.merge_call(cross_replica, args=(codes, over))
+    ctx.merge_call(cross_replica, args=(all_codes, all_limits))
 
 
 def run_step(
@@ -271,10 +272,11 @@ def held_whole(variables: list[keras.Variable]) -> bool:
 
 
 def replica_sum(value: Tensor) -> tuple[Tensor, int]:
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    # Across workers only: one process's replicas of a MirroredStrategy
+    # keep the per-replica reduction they had (a collective here put the
+    # replicas' collectives out of step with those of later strategies).
+    if _workers() is None or tf.distribute.in_cross_replica_context():
         return value, 1
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return value, 1
     total = context.all_reduce(tf.distribute.ReduceOp.SUM, value)
     return total, context.num_replicas_in_sync

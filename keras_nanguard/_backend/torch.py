@@ -23,7 +23,6 @@ COPIES_ON_WRITE = False  # an assign copies in place
 REUSES_DEVICE_BUFFERS = True
 
 run_step = common.plain_step
-record_rows = common.record_rows
 in_replica = common.in_replica
 
 
@@ -276,7 +275,7 @@ def processes() -> tuple[int, int]:
 def gather_ints(values: list[int]) -> list[list[int]]:
     import torch.distributed as dist
 
-    index, count = processes()
+    _, count = processes()
     if count == 1:
         return [list(values)]
     gathered: list[Any] = [None] * count
@@ -297,3 +296,24 @@ def replica_sum(value: Tensor) -> tuple[Tensor, int]:
     total = value.detach().clone()
     dist.all_reduce(total)
     return total, count
+
+
+def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:
+    """`record_rows` under torch.distributed: every process records the
+    rows of the global batch, each process's in rank order (sizes may
+    differ), so that the counters and the log are the same on all."""
+    _, count = processes()
+    if count == 1:
+        record(codes, over)
+        return
+    import torch.distributed as dist
+
+    size = torch.tensor([codes.shape[0]], device=codes.device)
+    sizes = [torch.zeros_like(size) for _ in range(count)]
+    dist.all_gather(sizes, size)
+    most = int(max(int(s) for s in sizes))
+    padded = torch.nn.functional.pad(codes, (0, most - codes.shape[0]))
+    parts = [torch.zeros_like(padded) for _ in range(count)]
+    dist.all_gather(parts, padded)
+    rows = torch.cat([p[: int(s)] for p, s in zip(parts, sizes, strict=True)])
+    record(rows, over)  # `over`: decided on the global batch, alike

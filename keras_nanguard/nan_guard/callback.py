@@ -31,12 +31,12 @@ from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.incidents import Incident, QuarantinedRow, write_json
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
+from keras_nanguard.nan_guard import processes as _processes
 from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard import runs as _runs
 from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
 from keras_nanguard.nan_guard import telling
 from keras_nanguard.nan_guard.fit_state import Settings, start_fit
-from keras_nanguard.nan_guard import processes as _processes
 from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper

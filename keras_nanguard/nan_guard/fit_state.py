@@ -139,8 +139,10 @@ def start_fit(
     _warn_unattached(net, [name for name in named if name != "optimizer"])
     if safe is not None:
         snapshots.sync_from_device(net)
-    if processes[1] > 1 and settings.directory and not backend.held_whole(
-        snapshots.tracked(net)
+    if (
+        processes[1] > 1
+        and settings.directory
+        and not backend.held_whole(snapshots.tracked(net))
     ):
         raise ValueError(
             "`directory`: process 0 writes the snapshot files, and a layout "

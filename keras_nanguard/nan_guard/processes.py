@@ -57,8 +57,7 @@ def check_same_settings(settings: object) -> None:
     fields = [f.name for f in dataclasses.fields(settings)]  # type: ignore[arg-type]
     names = [n for n in fields if n not in _OWN]
     digests = [
-        zlib.crc32(json.dumps(getattr(settings, n), default=repr).encode())
-        & 0x7FFFFFFF
+        zlib.crc32(json.dumps(getattr(settings, n), default=repr).encode()) & 0x7FFFFFFF
         for n in names
     ]
     gathered = backend.gather_ints(digests)

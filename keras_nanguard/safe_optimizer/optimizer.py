@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import check_bool, check_in, check_int
 from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.flight.recorder import PROBE_EVERY, FlightRecorder
@@ -371,7 +372,10 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
     def _count_quarantined(self, batch: QuarantinedBatch) -> None:
         try:
-            self._counters.record_quarantine(batch.codes, batch.over)
+            # Under torch.distributed, the rows of every process's batch.
+            backend.record_rows(
+                self._counters.record_quarantine, batch.codes, batch.over
+            )
         except Exception as err:
             if type(err).__name__ != "UnexpectedTracerError":
                 raise

@@ -296,9 +296,7 @@ def _without_bad_rows(
         size = ops.cast(ops.shape(bad)[0], "float32")
         kept = size - ops.sum(ops.cast(bad, "float32"))
         kept_all, replicas = backend.replica_sum(kept)
-        scale = ops.where(
-            over, 1.0, size * replicas / ops.maximum(kept_all, 1.0)
-        )
+        scale = ops.where(over, 1.0, size * replicas / ops.maximum(kept_all, 1.0))
     return y, y_pred, _weights(sample_weight, keep, scale)
 
 
