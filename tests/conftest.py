@@ -61,6 +61,10 @@ if BACKEND == "torch":
     torch.set_num_threads(1)
 
 
+# The workers of tests/launch.py are programs run as processes, not modules
+# to import (each starts its job when imported).
+collect_ignore_glob = ["workers/*.py"]
+
 SKIP_BACKEND_FREE = os.environ.get("NANGUARD_SKIP_BACKEND_FREE") == "1"
 
 

@@ -32,15 +32,19 @@ def launch(
     timeout: float = 240,
     attempts: int = 3,
 ) -> list[str]:
-    """Runs `count` processes of `worker` to the end and returns their
-    output; fails the test, with each one's output, if one failed or the
-    job outlived `timeout` seconds. New ports if one could not be bound."""
+    """Runs `count` processes of `worker` (a file of `tests/workers/`, or
+    a script's absolute path) to the end and returns their output; fails the
+    test, with each one's output, if one failed or the job outlived
+    `timeout` seconds. New ports if one could not be bound."""
+    script = WORKERS / worker  # an absolute `worker` stays as it is
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     root = str(Path(__file__).parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     for attempt in range(1, attempts + 1):
         chosen = [str(p) for p in _reserved_ports(ports)]
-        logs = [out_dir / f"{worker}.{i}.attempt{attempt}.log" for i in range(count)]
+        logs = [
+            out_dir / f"{script.name}.{i}.attempt{attempt}.log" for i in range(count)
+        ]
         procs = []
         try:
             for i, log in enumerate(logs):
@@ -49,7 +53,7 @@ def launch(
                         subprocess.Popen(
                             [
                                 sys.executable,
-                                str(WORKERS / worker),
+                                str(script),
                                 str(i),
                                 str(count),
                                 str(out_dir),
