@@ -119,6 +119,8 @@ def _reports(optimizer: Any) -> set[int]:
     if safe is None:
         return set()
     reports = safe._counters.history_variables() + safe._recorder.variables()
+    if safe._clip_state is not None:
+        reports += safe._clip_state.history_variables()
     return {id(v) for v in reports}
 
 

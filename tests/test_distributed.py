@@ -102,9 +102,10 @@ def strategy():
         )
 
 
-def test_a_fault_on_one_replica_is_rejected_by_every_replica(strategy):
+@pytest.mark.parametrize("clip", [None, "adaptive"])
+def test_a_fault_on_one_replica_is_rejected_by_every_replica(strategy, clip):
     x, y = _data()
-    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2), clipnorm=1.0)
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2), clipnorm=1.0, clip=clip)
     model = _model(opt)
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16)]
     model.train_on_batch(*batches[0])

@@ -36,13 +36,17 @@ def _model():
     )
 
 
+@pytest.mark.parametrize("clip", [None, "adaptive"])
 @pytest.mark.parametrize("clipnorm", [None, 1.0])
 @pytest.mark.parametrize("fault", [None, "nan"])
-def test_safe_optimizer_step_reads_nothing_back(clipnorm, fault):
+def test_safe_optimizer_step_reads_nothing_back(clipnorm, fault, clip):
     import torch
 
     model = _model()
-    opt = ng.SafeOptimizer(keras.optimizers.Adam(0.1), clipnorm=clipnorm)
+    reset = 2 if clip else None  # the moment reset's select too
+    opt = ng.SafeOptimizer(
+        keras.optimizers.Adam(0.1), clipnorm=clipnorm, clip=clip, reset_moments=reset
+    )
     tv = model.trainable_variables
     grads = [torch.ones(tuple(v.shape)) for v in tv]
     opt.apply(grads, tv)  # build, warm up

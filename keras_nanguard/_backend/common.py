@@ -70,10 +70,31 @@ def segment_ids(values: Sequence[Tensor]) -> np.ndarray:
     return np.repeat(np.arange(len(values), dtype="int32"), sizes)
 
 
-def restore_by_assign(ok: Tensor, state: list, backup: list) -> None:
-    """`restore_unless` for variables: `v.assign(where(ok, v, old))`."""
-    for v, old in zip(state, backup, strict=True):
-        v.assign(ops.where(ok, v.value, old))
+def restore_by_assign(
+    ok: Tensor, state: list, backup: list, scales: list | None = None
+) -> None:
+    """`restore_unless` for variables: `v.assign(where(ok, v, old))`, with
+    an update scaled where `scales` says (one select, which XLA fuses)."""
+    for v, old, scale in zip(state, backup, scales or [None] * len(state), strict=True):
+        new = v.value
+        if scale is not None:
+            new = ops.where(scale >= 1.0, new, bounded(old, new, scale))
+        v.assign(ops.where(ok, new, old))
+
+
+def bounded(old: Tensor, new: Tensor, scale: Tensor) -> Tensor:
+    """`old + (new - old) * scale`, in the dtype of `new`."""
+    return old + (new - old) * ops.cast(scale, new.dtype)
+
+
+def update_sums(old: list[Tensor], new: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """`update_sums` in Keras ops (TensorFlow fuses nothing more)."""
+    d = [
+        ops.sum(ops.square(ops.cast(n, "float32") - ops.cast(o, "float32")))
+        for o, n in zip(old, new, strict=True)
+    ]
+    w = [ops.sum(ops.square(ops.cast(o, "float32"))) for o in old]
+    return ops.stack(d), ops.stack(w)
 
 
 def careful_softmax_parts(

@@ -36,6 +36,11 @@ class Backend(Protocol):
         (only for reading at once)."""
         ...
 
+    def eager_read(self, variable: keras.Variable) -> np.ndarray:
+        """The variable's value on the host, even while a step is being
+        traced (TensorFlow builds optimizers inside `tf.function`)."""
+        ...
+
     def device_copies(self, values: list[Tensor]) -> list[Tensor]:
         """Copies on the device, in new buffers (one dispatch on JAX)."""
         ...
@@ -114,9 +119,13 @@ class Backend(Protocol):
         ...
 
     # --------------------------------------------------------- the step
-    def restore_unless(self, ok: Tensor, state: list, backup: list) -> None:
+    def restore_unless(
+        self, ok: Tensor, state: list, backup: list, scales: list | None = None
+    ) -> None:
         """Writes `backup` back into `state` unless `ok`: a select on the
-        device, no branch, no host read."""
+        device, no branch, no host read. Where `scales` has a scalar (not
+        `None`) below 1, an accepted entry keeps `old + (new - old) * scale`
+        instead of `new` (bit for bit `new` where it is 1)."""
         ...
 
     def extra_forward_state(self, model: keras.Model) -> list[Tensor]:
@@ -180,6 +189,13 @@ class Backend(Protocol):
 
     def finite_flags(self, values: list[Tensor]) -> Tensor:
         """One bool per tensor: whether every entry is finite."""
+        ...
+
+    def update_sums(
+        self, old: list[Tensor], new: list[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """Per tensor, the float32 sums of squares of `new - old` and of
+        `old`, reading each pair once where the backend allows."""
         ...
 
     def softmax_parts(

@@ -57,6 +57,10 @@ def _copies(values: list[Tensor]) -> list[Tensor]:
     return [jnp.copy(v) for v in values]  # outputs are new buffers
 
 
+def eager_read(variable: keras.Variable) -> np.ndarray:
+    return np.array(ops.convert_to_numpy(variable.value))
+
+
 def device_copies(values: list[Tensor]) -> list[Tensor]:
     # One dispatch for all: a copy each costs a dispatch each (51 for two
     # small LSTMs and Adam, 4x the time).
@@ -184,6 +188,22 @@ def sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
 
     sums = common.per_tensor([common.raw(v) for v in values], both, together)
     return ops.stack([a for a, _ in sums]), ops.stack([b for _, b in sums])
+
+
+def update_sums(old: list[Tensor], new: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def both(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        # One variadic reduction: XLA reads the pair once for both sums.
+        o, n = (x.astype("float32") for x in pair)
+        d = n - o
+        return jax.lax.reduce(
+            (d * d, o * o),
+            (jnp.float32(0), jnp.float32(0)),
+            lambda a, b: (a[0] + b[0], a[1] + b[1]),
+            tuple(range(o.ndim)),
+        )
+
+    sums = [both((common.raw(o), common.raw(n))) for o, n in zip(old, new, strict=True)]
+    return jnp.stack([a for a, _ in sums]), jnp.stack([b for _, b in sums])
 
 
 def finite_flags(values: list[Tensor]) -> Tensor:

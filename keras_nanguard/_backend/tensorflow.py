@@ -24,12 +24,18 @@ REUSES_DEVICE_BUFFERS = False
 
 frozen = common.no_frozen
 restore_unless = common.restore_by_assign
+update_sums = common.update_sums
 
 
 def host_view(value: Tensor) -> np.ndarray:
     if hasattr(value, "read_value"):
         value = value.read_value()  # a read is a copy-on-write view
     return np.asarray(value)
+
+
+def eager_read(variable: keras.Variable) -> np.ndarray:
+    with tf.init_scope():  # out of a traced step: the variable's own value
+        return np.asarray(variable.value.read_value())
 
 
 def device_copies(values: list[Tensor]) -> list[Tensor]:

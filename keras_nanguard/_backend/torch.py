@@ -44,6 +44,10 @@ def host_view(value: Tensor) -> np.ndarray:
     return np.asarray(value)
 
 
+def eager_read(variable: keras.Variable) -> np.ndarray:
+    return variable.value.detach().cpu().numpy().copy()
+
+
 def device_copies(values: list[Tensor]) -> list[Tensor]:
     return [v.detach().clone() for v in values]
 
@@ -103,12 +107,22 @@ def frozen(value: Any) -> Any:
     return value
 
 
-def restore_unless(ok: Tensor, state: list, backup: list) -> None:
+def restore_unless(
+    ok: Tensor, state: list, backup: list, scales: list | None = None
+) -> None:
     ok = torch.as_tensor(ok)
     with torch.no_grad():
-        for t, old in zip(state, backup, strict=True):
+        for t, old, scale in zip(
+            state, backup, scales or [None] * len(state), strict=True
+        ):
             t = t.value if isinstance(t, keras.Variable) else t
-            torch.where(ok, t, old, out=t)
+            if scale is not None:
+                kept = torch.where(
+                    scale >= 1.0, t, torch.lerp(old, t, scale.to(t.dtype))
+                )
+                torch.where(ok, kept, old, out=t)
+            else:
+                torch.where(ok, t, old, out=t)
 
 
 # --------------------------------------------- module buffers Keras misses
@@ -209,6 +223,17 @@ def sums_of_squares(values: list[Tensor]) -> tuple[Tensor, Tensor]:
     norms = torch._foreach_norm([common.raw(v) for v in values], 2, torch.float64)
     sq = torch.stack(norms) ** 2
     return sq.float(), (sq * (2.0**-64) ** 2).float()
+
+
+def update_sums(old: list[Tensor], new: list[Tensor]) -> tuple[Tensor, Tensor]:
+    # `dist` reads both tensors once, with no temporary of their difference.
+    with torch.no_grad():
+        d = [
+            torch.dist(common.raw(n).float(), common.raw(o).float()) ** 2
+            for o, n in zip(old, new, strict=True)
+        ]
+        w = torch._foreach_norm([common.raw(v) for v in old], 2, torch.float32)
+        return torch.stack(d), torch.stack(w) ** 2
 
 
 def finite_flags(values: list[Tensor]) -> Tensor:

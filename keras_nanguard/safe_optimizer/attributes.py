@@ -27,7 +27,11 @@ T = TypeVar("T")
 
 class SettingAttribute(Generic[T]):
     """An argument of SafeOptimizer, read and set on it (see `Settings`):
-    setting one hands new `Settings` to the optimizer's parts."""
+    setting one hands new `Settings` to the optimizer's parts. A `fixed`
+    one makes variables when the optimizer is built and is only read."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        self._fixed = fixed
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -48,6 +52,12 @@ class SettingAttribute(Generic[T]):
         # The base class's __init__ writes its own `clipnorm` before the
         # settings are made; that is not the user's and is dropped.
         if "_settings" in obj.__dict__:
+            if self._fixed:
+                raise AttributeError(
+                    f"`{self._name}` is set when the SafeOptimizer is made (it "
+                    "decides which variables it has): make a new one. "
+                    f"Received: {self._name}={value!r}"
+                )
             changed: dict[str, Any] = {self._name: value}
             obj._configure(dataclasses.replace(obj._settings, **changed))
 

@@ -14,6 +14,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _kernels as kernels
 from keras_nanguard._backend import current as backend
 from keras_nanguard.flight.recorder import FlightRecorder
 from keras_nanguard.safe_optimizer import loss_scaling, on_batch, step_ops
@@ -28,6 +29,9 @@ from keras_nanguard.safe_optimizer.forward_state import (
 )
 from keras_nanguard.safe_optimizer.quarantine import Quarantine
 from keras_nanguard.safe_optimizer.settings import Settings
+
+# Log figures held as finite codes (`_kernels.to_finite`): logged decoded.
+_CODED = frozenset({"nanguard_clip_threshold"})
 
 
 class ModelTransaction:
@@ -391,7 +395,12 @@ class ModelTransaction:
         # Copies, not the variables: `run_eagerly` on TensorFlow hands the
         # logs on as they are, and torch's callbacks may read them in
         # Keras's worker threads after later steps updated the variables.
-        logs.update({k: ops.copy(v.value) for k, v in figures.items()})
+        logs.update(
+            {
+                k: kernels.decode_finite(v.value) if k in _CODED else ops.copy(v.value)
+                for k, v in figures.items()
+            }
+        )
         # torch: copies of live tensors (`backend.frozen`): a torch variable's
         # value is the tensor later steps update in place.
         return {k: backend.frozen(v) for k, v in logs.items()}
@@ -413,6 +422,11 @@ class ModelTransaction:
             figures["nanguard_loss_scale_steps"] = c.loss_scale_steps
         if self.quarantine is not None:
             figures["nanguard_quarantined_samples"] = c.quarantined_samples
+        state = self.optimizer._clip_state
+        if state is not None:
+            figures["nanguard_clip_threshold"] = state.clip_threshold
+            figures["nanguard_clipped_steps"] = c.clipped_steps
+            figures["nanguard_bounded_updates"] = state.bounded_update_steps
         return figures
 
     def _accepted(self, values: list[Any], variables: list[keras.Variable]) -> Any:

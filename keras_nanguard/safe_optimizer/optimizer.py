@@ -15,8 +15,9 @@ from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import check_bool, check_in, check_int
 from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.flight.recorder import PROBE_EVERY, FlightRecorder
+from keras_nanguard.safe_optimizer import adaptive_clip, step_ops
 from keras_nanguard.safe_optimizer import file_layouts as layouts
-from keras_nanguard.safe_optimizer import step_ops
+from keras_nanguard.safe_optimizer.adaptive_clip import MAX_UPDATE_RATIO, ClipState
 from keras_nanguard.safe_optimizer.attributes import CounterAttribute, SettingAttribute
 from keras_nanguard.safe_optimizer.counters import (
     COUNTER_NAMES,
@@ -104,6 +105,29 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             Defaults to `None`.
         spike_window: int >= 2. Steps in the spike statistics (accepted ones
             and spikes). Defaults to 128.
+        clip: `"adaptive"` or `None`. `"adaptive"` grades each step instead
+            of only accepting or rejecting it (`adaptive_clip` has the
+            rules and where they come from): a moderate outlier of the
+            global gradient norm is clipped to a threshold learnt from the
+            run's own norms (ZClip: an EMA of the norm's mean and variance,
+            z-score 2.5), each layer's gradient to 1.05 times an EMA of its
+            own clipped norm (AdaGC), and each weight tensor's update is
+            bounded to `max_update_ratio` times the tensor's RMS; non-finite
+            steps, and spikes with `spike_factor`, are rejected as without
+            it. With it a run trains at learning rates where plain clipping
+            ends far from the best loss (BENCHMARKS.md, "Train at a higher
+            learning rate"). `clipnorm` still caps the global threshold.
+            Not with gradient accumulation. Defaults to `None`.
+        max_update_ratio: float > 0 or `None`. With `clip="adaptive"`, the
+            largest RMS of a weight tensor's update as a fraction of the
+            tensor's RMS (at least 1e-3): a larger update is scaled down.
+            `None`: no bound. Defaults to 0.01.
+        reset_moments: int >= 1 or `None`. With `clip="adaptive"`, every
+            this many rejected steps in a row the inner optimizer's moments
+            (every variable of it but its step count and learning rate)
+            go back to their initial values, as SPAM resets Adam's moments
+            after a spike: moments filled by a run-away stretch stop
+            steering the next steps. Not with `use_ema`. Defaults to `None`.
         probe_every: int >= 1. The flight recorder's cadence: one step in
             this many also records the weight and update norms per layer,
             the optimizer state's smallest denominator and the batch's input
@@ -149,6 +173,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     max_consecutive_skips = SettingAttribute[int | None]()
     spike_factor = SettingAttribute[float | None]()
     spike_window = SettingAttribute[int]()
+    clip = SettingAttribute[str | None](fixed=True)
+    max_update_ratio = SettingAttribute[float | None]()
+    reset_moments = SettingAttribute[int | None](fixed=True)
 
     # The counters (the README has the table), then the spike window's
     # variables (with `spike_factor`); see `Counters`.
@@ -186,6 +213,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         max_consecutive_skips: int | None = None,
         spike_factor: float | None = None,
         spike_window: int = 128,
+        clip: str | None = None,
+        max_update_ratio: float | None = MAX_UPDATE_RATIO,
+        reset_moments: int | None = None,
         probe_every: int = PROBE_EVERY,
         flight_recorder: bool = True,
         name: str | None = None,
@@ -202,6 +232,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             max_consecutive_skips=max_consecutive_skips,
             spike_factor=spike_factor,
             spike_window=spike_window,
+            clip=clip,
+            max_update_ratio=max_update_ratio,
+            reset_moments=reset_moments,
         )
         super().__init__(learning_rate=0.0, name=name)
         # The base class made an `iteration` and a `learning_rate` variable;
@@ -235,6 +268,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self._transaction.build(var_list)  # the inner optimizer's build too
         if self._recording and self._recorder.ring is None:  # after the window
             self._recorder.build(self, var_list)
+        if self._settings.adaptive and self._transaction.clip_state is None:
+            self._transaction.clip_state = ClipState.create(self, len(var_list))
         # Not super().build(): it reads the forwarded `use_ema` and
         # `gradient_accumulation_steps` and would make a second set of
         # averages and accumulators. Set untracked, as the base class does:
@@ -286,7 +321,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 store,
                 counters=len(COUNTER_NAMES),
                 window=len(self._counters.variables()) - len(COUNTER_NAMES),
-                recorder=len(self._recorder.variables()),
+                recorder=len(self._recorder.variables()) + len(self._clip_variables()),
                 inner=len(self.inner_optimizer.variables),
                 initial=[v.numpy() for v in self._variables],
             )
@@ -593,7 +628,85 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         >>> ng.SafeOptimizer(keras.optimizers.SGD(0.1)).counters()["skipped_steps"]
         0
         """
-        return self._counters.read(self._own_values(optimizer_variables))
+        found = self._counters.read(self._own_values(optimizer_variables))
+        state = self._clip_state
+        if state is not None:
+            found.update(
+                state.read(self._values_of(state.variables(), optimizer_variables))
+            )
+        return found
+
+    def clip_thresholds(
+        self, optimizer_variables: Sequence[Any] | None = None
+    ) -> dict[str, float]:
+        """With `clip="adaptive"`, the thresholds in force (a host read): the
+        global one (`"global"`: inf until its statistics are warm and while
+        the norm is no outlier, or `clipnorm`) and each layer's by
+        variable name (1.05 times the EMA of its clipped norms; inf before
+        it is warm). Empty without `clip="adaptive"` or before `build`.
+
+        Args:
+            optimizer_variables: as for `counters`.
+
+        Example:
+
+        >>> import keras, keras_nanguard as ng
+        >>> opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3), clip="adaptive")
+        >>> opt.build([keras.Variable([1.0, 2.0], name="w")])
+        >>> for _ in range(30):
+        ...     opt.apply([keras.ops.ones(2)])
+        >>> {k: round(v, 3) for k, v in opt.clip_thresholds().items()}
+        {'global': inf, "'w'": 1.485}
+        """
+        state = self._clip_state
+        if state is None:
+            return {}
+        stats, norms = (
+            np.asarray(backend.host_view(v))
+            for v in self._values_of(
+                [state.norm_stats, state.layer_norms], optimizer_variables
+            )
+        )
+        found = {
+            "global": float(
+                state.read(self._values_of(state.variables(), optimizer_variables))[
+                    "clip_threshold"
+                ]
+            )
+        }
+        warm = stats[0] >= adaptive_clip.WARMUP_STEPS
+        names = self._names()[: len(norms) - 1]
+        for name, ema in zip(names, norms[:-1], strict=False):
+            found[name] = (
+                float(adaptive_clip.LAYER_FACTOR * ema) if warm and ema > 0 else np.inf
+            )
+        return found
+
+    @property
+    def _clip_state(self) -> ClipState | None:
+        """The graded handling's variables (`clip="adaptive"`, once built)."""
+        return self._transaction.clip_state
+
+    def _clip_variables(self) -> list[keras.Variable]:
+        state = self._clip_state
+        return [] if state is None else state.variables()
+
+    def _values_of(
+        self, variables: list[keras.Variable], optimizer_variables: Sequence[Any] | None
+    ) -> list[Any]:
+        """The values of some of this optimizer's `variables`: theirs, or
+        their entries in `optimizer_variables` (a JAX stateless loop's)."""
+        if optimizer_variables is None:
+            return [v.value for v in variables]
+        values = list(optimizer_variables)
+        where = {id(v): i for i, v in enumerate(self.variables)}
+        if len(values) != len(where):
+            raise ValueError(
+                "`optimizer_variables` must hold one value per variable of "
+                f"`optimizer.variables` ({len(where)}), as `stateless_apply` "
+                f"returns them. Received: {len(values)} values"
+            )
+        return [values[where[id(v)]] for v in variables]
 
     def quarantine(
         self,
@@ -809,6 +922,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             "max_consecutive_skips": settings.max_consecutive_skips,
             "spike_factor": settings.spike_factor,
             "spike_window": settings.spike_window,
+            "clip": settings.clip,
+            "max_update_ratio": settings.max_update_ratio,
+            "reset_moments": settings.reset_moments,
             "probe_every": self._recorder.probe_every,
             "flight_recorder": self._recording,
         }

@@ -7,7 +7,13 @@ import math
 
 import keras
 
-from keras_nanguard._validation import check_in, check_int, check_positive
+from keras_nanguard._validation import (
+    check_choice,
+    check_in,
+    check_int,
+    check_positive,
+)
+from keras_nanguard.safe_optimizer.adaptive_clip import MAX_UPDATE_RATIO
 from keras_nanguard.safe_optimizer.inner import check_clipping
 
 
@@ -26,6 +32,14 @@ class Settings:
     max_consecutive_skips: int | None = None
     spike_factor: float | None = None
     spike_window: int = 128
+    clip: str | None = None
+    max_update_ratio: float | None = MAX_UPDATE_RATIO
+    reset_moments: int | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the graded handling is on (`clip="adaptive"`)."""
+        return self.clip == "adaptive"
 
     @classmethod
     def checked(
@@ -39,6 +53,9 @@ class Settings:
         max_consecutive_skips: object = None,
         spike_factor: object = None,
         spike_window: object = 128,
+        clip: object = None,
+        max_update_ratio: object = MAX_UPDATE_RATIO,
+        reset_moments: object = None,
     ) -> Settings:
         """The settings from user arguments, each checked (in this order),
         for the optimizer `inner` that they wrap."""
@@ -54,6 +71,7 @@ class Settings:
             ),
             spike_factor=_check_spike_factor(spike_factor),
             spike_window=check_int("spike_window", spike_window, 2),
+            **_check_graded(inner, clip, max_update_ratio, reset_moments),
         )
 
 
@@ -76,3 +94,39 @@ def _check_spike_factor(spike_factor: object) -> float | None:
     if spike_factor is None:
         return None
     return check_in("spike_factor", spike_factor, 1, math.inf, closed_high=False)
+
+
+def _check_graded(
+    inner: keras.optimizers.Optimizer,
+    clip: object,
+    max_update_ratio: object,
+    reset_moments: object,
+) -> dict:
+    """`clip`, `max_update_ratio` and `reset_moments`, checked: the last two
+    belong to the graded handling and need `clip="adaptive"`."""
+    if clip is not None:
+        clip = check_choice("clip", clip, ("adaptive",))
+    ratio = check_positive("max_update_ratio", max_update_ratio, allow_none=True)
+    resets = check_int("reset_moments", reset_moments, 1, allow_none=True)
+    if clip is None and (ratio != MAX_UPDATE_RATIO or resets is not None):
+        given = "max_update_ratio" if ratio != MAX_UPDATE_RATIO else "reset_moments"
+        raise ValueError(
+            f'`{given}` is part of the graded handling: set `clip="adaptive"` '
+            f"too. Received: clip=None, {given}="
+            f"{ratio if given == 'max_update_ratio' else resets!r}"
+        )
+    if clip is not None and inner.gradient_accumulation_steps:
+        raise ValueError(
+            '`clip="adaptive"` decides on each batch\'s gradients, and with '
+            "gradient accumulation the inner optimizer applies their sum every "
+            "few batches. Use `clipnorm` with gradient accumulation. Received: "
+            f"gradient_accumulation_steps={inner.gradient_accumulation_steps}"
+        )
+    if resets is not None and (inner.use_ema or inner.gradient_accumulation_steps):
+        raise ValueError(
+            "`reset_moments` resets every variable of the inner optimizer but "
+            "its step count and learning rate, which would wipe its weight "
+            "averages (`use_ema`) too. Received: reset_moments="
+            f"{resets}, use_ema={inner.use_ema}"
+        )
+    return {"clip": clip, "max_update_ratio": ratio, "reset_moments": resets}

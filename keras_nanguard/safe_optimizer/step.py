@@ -20,8 +20,8 @@ from keras import ops
 from keras_nanguard import _kernels as kernels
 from keras_nanguard._backend import current as backend
 from keras_nanguard.flight.recorder import FlightRecorder
+from keras_nanguard.safe_optimizer import adaptive_clip, step_ops
 from keras_nanguard.safe_optimizer import spike_window as spikes
-from keras_nanguard.safe_optimizer import step_ops
 from keras_nanguard.safe_optimizer.counters import Counters, StepOutcome
 from keras_nanguard.safe_optimizer.settings import Settings
 
@@ -39,6 +39,8 @@ class Plan(NamedTuple):
     floats: list[int]  # positions in `state` of the float variables
     grad_index: tuple[int, ...]  # checked gradient -> reported index
     state_index: tuple[int, ...]  # checked float state -> reported index
+    bounded: list[int]  # positions of the float weights whose update is bounded
+    moments: list[int]  # positions in `state` of the inner optimizer's moments
 
 
 class Transaction:
@@ -73,6 +75,11 @@ class Transaction:
         # are the reported indices (names can be found again after loading).
         self._built: dict[int, int] = {}
         self._n_built = 0
+        # The graded handling's state (`clip="adaptive"`), made by the
+        # optimizer's `build`; with `reset_moments`, the value each moment
+        # of the inner optimizer starts from, by id.
+        self.clip_state: adaptive_clip.ClipState | None = None
+        self._initial: dict[int, float] = {}
 
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         """Builds the inner optimizer with the variables the optimizer is
@@ -84,6 +91,8 @@ class Transaction:
             self.inner.build(var_list)
         self._built = {id(v): i for i, v in enumerate(var_list)}
         self._n_built = len(var_list)
+        if self.settings.reset_moments is not None:
+            self._initial = step_ops.initial_moments(self.inner)
         self.plan(var_list, var_list)
 
     def apply(self, grads: list[Any], variables: list[keras.Variable]) -> None:
@@ -119,6 +128,8 @@ class Transaction:
             floats,
             tuple(reported[i] for i in checked),
             tuple(reported[j] for j in floats),
+            [i for i in checked if step_ops.is_float_variable(variables[i])],
+            [j for j in floats if id(state[j]) in self._initial],
         )
 
     def _run(
@@ -142,7 +153,8 @@ class Transaction:
         # With gradient accumulation the applied gradient is the accumulated
         # one, which the inner optimizer clips itself (see `_inner_settings`).
         accumulating = bool(self.inner.gradient_accumulation_steps)
-        clip, clipped = self._clipping(norm, plan, accumulating)
+        clipping = self._adaptive(norm, grad_sq, plan, accumulating)
+        clip, clipped = self._clipping(norm, plan, accumulating, clipping)
         if update is None:
             update = _update_of(self.inner, grads, variables)
         # The rollback point: weights and all inner optimizer variables, read
@@ -160,7 +172,12 @@ class Transaction:
         outcome = StepOutcome(
             ok, grads_ok, update_ok, norm, bad_index, clipped, spike, spike_figures
         )
-        step_ops.restore_unless(ok, plan.state, backup)
+        scales, bounded = self._bounds(plan, backup)
+        restored, reset = self._reset_moments(ok, plan, backup)
+        step_ops.restore_unless(ok, plan.state, restored, scales)
+        if clipping is not None:
+            clipping.record(ok)
+            clipping.state.count(ok, bounded, reset)
         if self.recorder is not None:  # the committed values: after the restore
             self.recorder.record(
                 inner=self.inner,
@@ -172,6 +189,59 @@ class Transaction:
                 learning_rate=learning_rate,
             )
         self.counters.record_step(outcome)
+
+    def _adaptive(
+        self, norm: Any, grad_sq: Any, plan: Plan, accumulating: bool
+    ) -> adaptive_clip.Clipping | None:
+        """The step's graded clipping (`clip="adaptive"`), or `None`."""
+        state = self.clip_state
+        if state is None:
+            return None
+        if accumulating:
+            raise ValueError(
+                '`clip="adaptive"` decides on each batch\'s gradients, and with '
+                "gradient accumulation the inner optimizer applies their sum "
+                "every few batches. Use `clipnorm` with gradient accumulation. "
+                "Received: gradient_accumulation_steps="
+                f"{self.inner.gradient_accumulation_steps}"
+            )
+        return adaptive_clip.Clipping(
+            state, norm, grad_sq, plan.grad_index, self.settings.clipnorm
+        )
+
+    def _bounds(self, plan: Plan, backup: list) -> tuple[list | None, Any]:
+        """Per entry of `plan.state`, the factor its update is scaled by
+        (`None`: as made), and whether any is below 1; `None`, `None`
+        without the update bound."""
+        ratio = self.settings.max_update_ratio
+        if self.clip_state is None or ratio is None or not plan.bounded:
+            return None, None
+        found = adaptive_clip.update_scales(
+            [backup[i] for i in plan.bounded],
+            [plan.state[i].value for i in plan.bounded],
+            ratio,
+        )
+        scales: list[Any] = [None] * len(plan.state)
+        for k, i in enumerate(plan.bounded):
+            scales[i] = found[k]
+        return scales, ops.any(found < 1.0)
+
+    def _reset_moments(self, ok: Any, plan: Plan, backup: list) -> tuple[list, Any]:
+        """The values a rejected step restores: with `reset_moments`, the
+        inner optimizer's moments at their initial values when this
+        rejection makes a multiple of `reset_moments` in a row (and whether
+        it does); else `backup` as it is (and `None`)."""
+        every = self.settings.reset_moments
+        if every is None or not plan.moments:
+            return backup, None
+        run = self.counters.consecutive_skips.value + 1
+        reset = ops.logical_and(ops.logical_not(ok), ops.mod(run, every) == 0)
+        restored = list(backup)
+        for j in plan.moments:
+            start = self._initial[id(plan.state[j])]
+            # A scalar broadcast (`full_like` reads its fill value back on torch).
+            restored[j] = ops.where(reset, start, backup[j])
+        return restored, reset
 
     def _rate(self) -> Any:
         """The learning rate this step runs at (backed off by `lr_scale`)."""
@@ -198,22 +268,34 @@ class Transaction:
             ),
         )
 
-    def _clipping(self, norm: Any, plan: Plan, accumulating: bool) -> tuple[Clip, Any]:
-        """The gradients' clip to `clipnorm` (the identity without one), and
-        whether it clips (`None` without one)."""
+    def _clipping(
+        self,
+        norm: Any,
+        plan: Plan,
+        accumulating: bool,
+        adaptive: adaptive_clip.Clipping | None,
+    ) -> tuple[Clip, Any]:
+        """The gradients' clip, to `clipnorm` or by the graded handling's
+        factors (the identity with neither), and whether it clips (`None`
+        with neither)."""
         clipnorm = self.settings.clipnorm
-        if clipnorm is None or accumulating:
+        if adaptive is None and (clipnorm is None or accumulating):
             return _unclipped, None
-        factor = ops.minimum(1.0, clipnorm / norm)
-        to_clip = set(plan.checked)
+        if adaptive is None:
+            factor = ops.minimum(1.0, clipnorm / norm)
+            factors = [factor] * len(plan.checked)
+            clipped = factor < 1.0
+        else:
+            factors = [adaptive.factors[k] for k in range(len(plan.checked))]
+            clipped = adaptive.clipped
+        of = dict(zip(plan.checked, factors, strict=True))
 
         def clip(gs: list[Any]) -> list[Any]:
             return [
-                step_ops.scale(g, factor) if i in to_clip else g
-                for i, g in enumerate(gs)
+                step_ops.scale(g, of[i]) if i in of else g for i, g in enumerate(gs)
             ]
 
-        return clip, factor < 1.0
+        return clip, clipped
 
     def _update(self, update: Update, clip: Clip) -> None:
         """The inner optimizer's update, at the backed-off learning rate when

@@ -81,12 +81,31 @@ def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
         del inner.assign_add, inner.assign_sub
 
 
-def restore_unless(ok: Any, state: list, backup: list) -> None:
+def restore_unless(
+    ok: Any, state: list, backup: list, scales: list | None = None
+) -> None:
     """Writes `backup` back into `state` (variables, or torch tensors such as
     module buffers) unless `ok`: a select on the device, with no branch and
     no host read (a branch on XLA:GPU or TensorFlow's GPU graphs copies the
-    predicate to the host and waits for it)."""
-    backend.restore_unless(ok, state, backup)
+    predicate to the host and waits for it). An entry of `scales` below 1
+    scales that variable's accepted update (the update bound)."""
+    backend.restore_unless(ok, state, backup, scales)
+
+
+def initial_moments(inner: keras.optimizers.Optimizer) -> dict[int, float]:
+    """By id, the value each of `inner`'s float variables but its learning
+    rate starts from (a host read, once, when it is built): those a moment
+    reset puts back. A variable that does not start from one value (none of
+    Keras's) is left out."""
+    lr = inner.learning_rate
+    found: dict[int, float] = {}
+    for v in inner.variables:
+        if v is lr or not is_float_variable(v):
+            continue
+        values = backend.eager_read(v)
+        if values.size and (values == values.flat[0]).all():
+            found[id(v)] = float(values.flat[0])
+    return found
 
 
 def torch_compiling() -> bool:
