@@ -22,6 +22,7 @@ class Reference:
         self.ema = [0.0] * len(weights)
         self.threshold = np.inf
         self.clipped = self.bounded = 0
+        self.threshold = np.inf
 
     def step(self, grads: list[np.ndarray]) -> None:
         norms = np.array([np.linalg.norm(g) for g in grads])
@@ -32,7 +33,6 @@ class Reference:
         adaptive = np.inf
         if not warm and z > rules.Z_THRESHOLD:
             adaptive = self.mean + rules.Z_THRESHOLD * std / (z / rules.Z_THRESHOLD)
-        self.threshold = adaptive
         factor = min(1.0, adaptive / norm)
         clipped_norms, factors = [], []
         for k, n in enumerate(norms * factor):
@@ -67,6 +67,11 @@ class Reference:
                 rules.ALPHA * self.var + (1 - rules.ALPHA) * (taken - self.mean) ** 2
             )
         self.seen = min(self.seen + 1, rules.WARMUP_STEPS)
+        # What the next step is judged against.
+        warm_now = self.seen >= rules.WARMUP_STEPS
+        self.threshold = (
+            self.mean + rules.Z_THRESHOLD * np.sqrt(self.var) if warm_now else np.inf
+        )
         self.ema = [
             c if e <= 0 else rules.LAYER_BETA * e + (1 - rules.LAYER_BETA) * c
             for e, c in zip(self.ema, clipped_norms, strict=True)
@@ -113,6 +118,7 @@ def test_thresholds_and_bound_follow_the_documented_rules_step_by_step(ratio):
             assert np.isinf(c["clip_threshold"]), step
         else:
             np.testing.assert_allclose(c["clip_threshold"], ref.threshold, rtol=2e-5)
+        assert float(opt.clip_threshold) == c["clip_threshold"]
         for w, expected in zip(numpy(variables), ref.w, strict=True):
             np.testing.assert_allclose(w, expected, rtol=2e-5, atol=1e-7)
         assert (c["clipped_steps"], c["bounded_update_steps"]) == (
@@ -125,9 +131,9 @@ def test_thresholds_and_bound_follow_the_documented_rules_step_by_step(ratio):
     # the burst of everything at 36 by the global one.
     assert c["clipped_steps"] >= 2 and c["skipped_steps"] == 0
     thresholds = opt.clip_thresholds()
-    assert list(thresholds) == ["global", "'kernel'", "'bias'"]
+    assert list(thresholds) == ["global", "kernel", "bias"]
     np.testing.assert_allclose(
-        [thresholds["'kernel'"], thresholds["'bias'"]],
+        [thresholds["kernel"], thresholds["bias"]],
         [rules.LAYER_FACTOR * e for e in ref.ema],
         rtol=2e-5,
     )
@@ -147,9 +153,10 @@ def test_a_layer_burst_is_clipped_where_the_global_norm_sees_none():
     kernel_before, bias_before = numpy(variables)
     grads = _gradients(30)  # the kernel's burst
     ema = numpy([opt._clip_state.layer_norms])[0]
+    threshold = opt.counters()["clip_threshold"]  # no global outlier
     opt.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
-    assert np.isinf(opt.counters()["clip_threshold"])  # no global outlier
     assert opt.counters()["clipped_steps"] == before + 1
+    assert np.linalg.norm(np.concatenate([g.ravel() for g in grads])) < threshold
     kernel, bias = numpy(variables)
     # The kernel moved by its gradient clipped to 1.05 x its EMA; the bias,
     # under its own threshold, by its whole gradient.
@@ -226,7 +233,7 @@ def test_moments_reset_after_every_reset_moments_rejections_in_a_row():
             assert all(np.abs(m).max() > 0 for m in numpy(moments))
     assert expected_resets == [0, 1, 1, 2, 2]
     assert all(not np.any(m) for m in numpy(moments))
-    assert int(inner.iterations) == 3
+    assert int(inner.iterations) == 3 and int(opt.moment_resets) == 2
     assert_bit_identical(weights, numpy(variables), "weights")
     opt.apply([keras.ops.convert_to_tensor(g) for g in _gradients(9)], variables)
     assert opt.counters()["consecutive_skips"] == 0 and int(inner.iterations) == 4
@@ -263,6 +270,15 @@ def test_fit_with_nan_guard_logs_the_thresholds_and_survives_a_bad_batch():
     opt = ng.SafeOptimizer(keras.optimizers.AdamW(0.3), clipnorm=1.0, clip="adaptive")
     model = _digits_model(opt)
     guard = ng.NaNGuard()
+    clean = _digits_model(
+        ng.SafeOptimizer(keras.optimizers.AdamW(0.3), clip="adaptive")
+    )
+    quiet = ng.NaNGuard()
+    clean_history = clean.fit(
+        x[:96], y[:96], batch_size=32, verbose=0, callbacks=[quiet]
+    )
+    assert quiet.incidents == []  # no threshold yet: logged as 0, not inf
+    assert clean_history.history["nanguard_clip_threshold"] == [0.0]
     history = model.fit(
         x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[guard]
     )
@@ -352,6 +368,7 @@ def test_the_jax_stateless_loop_reads_its_counters_from_the_returned_values():
         ({"clip": "zclip"}, ValueError, "`clip` must be one of ('adaptive',)"),
         ({"clip": 1.0}, TypeError, "`clip` must be one of"),
         ({"max_update_ratio": 0.05}, ValueError, "`max_update_ratio` is part of"),
+        ({"clip": "adaptive", "max_update_ratio": "x"}, TypeError, "max_update_ratio"),
         ({"reset_moments": 3}, ValueError, "`reset_moments` is part of"),
         ({"clip": "adaptive", "max_update_ratio": 0}, ValueError, "max_update_ratio"),
         ({"clip": "adaptive", "reset_moments": 0}, ValueError, "reset_moments"),
@@ -378,3 +395,24 @@ def test_what_the_graded_handling_cannot_serve_is_refused():
         opt.clip = None
     opt.max_update_ratio = 0.05  # a plain setting: read by the next step
     assert opt.max_update_ratio == 0.05 and opt.clip == "adaptive"
+    with pytest.raises(ValueError, match="max_update_ratio=-1"):
+        opt.max_update_ratio = -1  # checked as the constructor checks it
+    assert opt.max_update_ratio == 0.05
+    with pytest.raises(AttributeError, match=r"only with `clip=.adaptive.`"):
+        _ = ng.SafeOptimizer(keras.optimizers.Adam()).bounded_update_steps
+
+
+def test_a_new_max_update_ratio_reaches_steps_compiled_already():
+    x, y = _digits()
+    opt = ng.SafeOptimizer(keras.optimizers.AdamW(0.3), clip="adaptive")
+    model = _digits_model(opt)
+    model.fit(x[:128], y[:128], batch_size=32, verbose=0)
+    assert int(opt.bounded_update_steps) == 4
+    opt.max_update_ratio = 100.0  # no bound any more, in the same compiled step
+    model.fit(x[:128], y[:128], batch_size=32, verbose=0)
+    assert int(opt.bounded_update_steps) == 4
+    opt.max_update_ratio = 1e-4
+    model.fit(x[:128], y[:128], batch_size=32, verbose=0)
+    assert int(opt.bounded_update_steps) == 8
+    with pytest.raises(AttributeError, match="cannot become None"):
+        opt.max_update_ratio = None

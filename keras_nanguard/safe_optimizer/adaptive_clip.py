@@ -82,13 +82,21 @@ class ClipState:
 
     norm_stats: keras.Variable  # steps seen (up to the warm-up), EMA mean, variance
     layer_norms: keras.Variable  # per built variable, EMA of its clipped norm; 0 spare
-    clip_threshold: keras.Variable  # the last step's global threshold (coded)
+    clip_threshold: keras.Variable  # the global norm above which a step is clipped
     bounded_update_steps: keras.Variable  # accepted steps with an update bounded
     moment_resets: keras.Variable  # resets of the inner optimizer's moments
+    update_ratio: keras.Variable  # `max_update_ratio` (a variable: settable)
 
     @classmethod
-    def create(cls, optimizer: keras.optimizers.Optimizer, n: int) -> ClipState:
-        """New variables of `optimizer`, for `n` built variables."""
+    def create(
+        cls,
+        optimizer: keras.optimizers.Optimizer,
+        n: int,
+        clipnorm: float | None,
+        ratio: float | None,
+    ) -> ClipState:
+        """New variables of `optimizer`, for `n` built variables, with the
+        optimizer's `clipnorm` and `max_update_ratio`."""
 
         def make(name: str, shape: tuple, dtype: str, initial: float) -> Any:
             return optimizer.add_variable(
@@ -102,17 +110,29 @@ class ClipState:
         return cls(
             norm_stats=make("clip_norm_stats", (3,), "float32", 0.0),
             layer_norms=make("clip_layer_norms", (n + 1,), "float32", 0.0),
-            clip_threshold=make("clip_threshold", (), "float32", kernels.FLOAT32_MAX),
+            clip_threshold=make(
+                "clip_threshold",
+                (),
+                "float32",
+                kernels.FLOAT32_MAX if clipnorm is None else clipnorm,
+            ),
             bounded_update_steps=make("bounded_update_steps", (), "int32", 0),
             moment_resets=make("moment_resets", (), "int32", 0),
+            update_ratio=make("update_ratio", (), "float32", ratio or 0.0),
         )
 
     def variables(self) -> list[keras.Variable]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     def history_variables(self) -> list[keras.Variable]:
-        """The reports (kept through a rollback, not checked by snapshots)."""
-        return [self.clip_threshold, self.bounded_update_steps, self.moment_resets]
+        """The reports and the setting (kept through a rollback, not checked
+        by snapshots)."""
+        return [
+            self.clip_threshold,
+            self.bounded_update_steps,
+            self.moment_resets,
+            self.update_ratio,
+        ]
 
     def count(self, ok: Any, bounded: Any, reset: Any) -> None:
         """Counts an accepted step whose update was bounded (`bounded`:
@@ -184,7 +204,7 @@ class Clipping:
         threshold = self.adaptive
         if clipnorm is not None:
             threshold = ops.minimum(threshold, clipnorm)
-        self.threshold = threshold
+        self.clipnorm = clipnorm
         global_factor = ops.minimum(1.0, threshold / norm)
         tensor_norms = ops.sqrt(ops.cast(grad_sq, "float32")) * global_factor
         ema = ops.take(state.layer_norms.value, self._positions)
@@ -217,8 +237,18 @@ class Clipping:
                 ops.where(self.warm, warm_var, ema_var),
             ]
         )
-        state.norm_stats.assign(ops.where(ok, new, stats))
-        state.clip_threshold.assign(kernels.to_finite(self.threshold))
+        kept = ops.where(ok, new, stats)
+        state.norm_stats.assign(kept)
+        # What the next step is judged against: a norm above the boundary of
+        # the warm statistics (or `clipnorm`) is clipped; inf before that.
+        boundary = ops.where(
+            kept[0] >= WARMUP_STEPS,
+            kept[1] + Z_THRESHOLD * ops.sqrt(kept[2]),
+            np.inf,
+        )
+        if self.clipnorm is not None:
+            boundary = ops.minimum(boundary, self.clipnorm)
+        state.clip_threshold.assign(kernels.to_finite(boundary))
         old = ops.take(state.layer_norms.value, self._positions)
         ema = ops.where(
             old <= 0.0,
@@ -233,7 +263,7 @@ class Clipping:
         )
 
 
-def update_scales(old: list[Any], new: list[Any], ratio: float) -> Any:
+def update_scales(old: list[Any], new: list[Any], ratio: Any) -> Any:
     """Per weight tensor, the factor its update `new - old` is scaled by so
     that its RMS is at most `ratio` times the tensor's (`WEIGHT_FLOOR` at
     least): 1 where it already is. A float32 vector."""

@@ -18,6 +18,7 @@ class _Owner(Protocol):
     """What the descriptors need of the optimizer they are attributes of."""
 
     _settings: Settings
+    inner_optimizer: keras.optimizers.Optimizer
 
     def _configure(self, settings: Settings) -> None: ...
 
@@ -58,8 +59,10 @@ class SettingAttribute(Generic[T]):
                     "decides which variables it has): make a new one. "
                     f"Received: {self._name}={value!r}"
                 )
-            changed: dict[str, Any] = {self._name: value}
-            obj._configure(dataclasses.replace(obj._settings, **changed))
+            # Checked as the constructor checks it.
+            obj._configure(
+                obj._settings.replaced(obj.inner_optimizer, **{self._name: value})
+            )
 
 
 class CounterAttribute:

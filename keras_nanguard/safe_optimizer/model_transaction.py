@@ -30,8 +30,14 @@ from keras_nanguard.safe_optimizer.forward_state import (
 from keras_nanguard.safe_optimizer.quarantine import Quarantine
 from keras_nanguard.safe_optimizer.settings import Settings
 
-# Log figures held as finite codes (`_kernels.to_finite`): logged decoded.
+# Log figures held as finite codes (`_kernels.to_finite`), whose code for
+# "none" (inf) is logged as 0: a log value must stay finite (NaNGuard takes a
+# non-finite one for a broken metric).
 _CODED = frozenset({"nanguard_clip_threshold"})
+
+
+def _no_threshold_as_zero(value: Any) -> Any:
+    return ops.where(value >= kernels.FLOAT32_MAX, 0.0, value)
 
 
 class ModelTransaction:
@@ -397,7 +403,7 @@ class ModelTransaction:
         # Keras's worker threads after later steps updated the variables.
         logs.update(
             {
-                k: kernels.decode_finite(v.value) if k in _CODED else ops.copy(v.value)
+                k: _no_threshold_as_zero(v.value) if k in _CODED else ops.copy(v.value)
                 for k, v in figures.items()
             }
         )

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard import _kernels as kernels
 from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import check_bool, check_in, check_int
 from keras_nanguard.flight.record import FlightRecord
@@ -202,6 +203,33 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     spike_count = CounterAttribute(lambda c: c.spike_count)
     last_spike = CounterAttribute(lambda c: c.last_spike)
 
+    @property
+    def clip_threshold(self) -> Any:
+        """With `clip="adaptive"`, the global gradient norm above which the
+        next step is clipped (inf until 25 steps are in the statistics, or
+        `clipnorm`), a value."""
+        return kernels.decode_finite(self._clip_variable("clip_threshold").value)
+
+    @property
+    def bounded_update_steps(self) -> keras.Variable:
+        """With `clip="adaptive"`, accepted steps whose update was bounded."""
+        return self._clip_variable("bounded_update_steps")
+
+    @property
+    def moment_resets(self) -> keras.Variable:
+        """With `clip="adaptive"`, resets of the inner optimizer's moments."""
+        return self._clip_variable("moment_resets")
+
+    def _clip_variable(self, name: str) -> keras.Variable:
+        state = self._clip_state
+        if state is None:
+            raise AttributeError(
+                f'SafeOptimizer has `{name}` only with `clip="adaptive"`, once '
+                f"built. Received: clip={self.clip!r}, built={self.built}"
+            )
+        variable: keras.Variable = getattr(state, name)
+        return variable
+
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer | str,
@@ -257,6 +285,22 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
     def _configure(self, settings: Settings) -> None:
         """Hands `settings` to the optimizer and its parts."""
+        state = self._clip_state
+        if state is not None and settings.max_update_ratio is not None:
+            if self._settings.max_update_ratio is None:
+                raise AttributeError(
+                    "`max_update_ratio` was None when the SafeOptimizer was "
+                    "built (no bound in its steps); make a new one to bound "
+                    f"updates. Received: max_update_ratio={settings.max_update_ratio}"
+                )
+            # A variable: steps compiled already read the new value too.
+            state.update_ratio.assign(settings.max_update_ratio)
+        elif state is not None and self._settings.max_update_ratio is not None:
+            raise AttributeError(
+                "`max_update_ratio` cannot become None once the SafeOptimizer "
+                "is built (its compiled steps bound updates): set a large value "
+                "instead. Received: max_update_ratio=None"
+            )
         self._settings = settings
         self._counters.settings = settings
         self._transaction.settings = settings
@@ -268,8 +312,11 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self._transaction.build(var_list)  # the inner optimizer's build too
         if self._recording and self._recorder.ring is None:  # after the window
             self._recorder.build(self, var_list)
-        if self._settings.adaptive and self._transaction.clip_state is None:
-            self._transaction.clip_state = ClipState.create(self, len(var_list))
+        settings = self._settings
+        if settings.adaptive and self._transaction.clip_state is None:
+            self._transaction.clip_state = ClipState.create(
+                self, len(var_list), settings.clipnorm, settings.max_update_ratio
+            )
         # Not super().build(): it reads the forwarded `use_ema` and
         # `gradient_accumulation_steps` and would make a second set of
         # averages and accumulators. Set untracked, as the base class does:
@@ -639,11 +686,12 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     def clip_thresholds(
         self, optimizer_variables: Sequence[Any] | None = None
     ) -> dict[str, float]:
-        """With `clip="adaptive"`, the thresholds in force (a host read): the
-        global one (`"global"`: inf until its statistics are warm and while
-        the norm is no outlier, or `clipnorm`) and each layer's by
-        variable name (1.05 times the EMA of its clipped norms; inf before
-        it is warm). Empty without `clip="adaptive"` or before `build`.
+        """With `clip="adaptive"`, the thresholds the next step is judged
+        against (a host read): the global one (`"global"`: a norm above it is
+        clipped; inf until 25 steps are in its statistics, `clipnorm` when
+        lower) and each layer's, by variable path (1.05 times the EMA of its
+        clipped norms; inf until then). Empty without `clip="adaptive"` or
+        before `build`.
 
         Args:
             optimizer_variables: as for `counters`.
@@ -656,26 +704,19 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         >>> for _ in range(30):
         ...     opt.apply([keras.ops.ones(2)])
         >>> {k: round(v, 3) for k, v in opt.clip_thresholds().items()}
-        {'global': inf, "'w'": 1.485}
+        {'global': 1.414, 'w': 1.485}
         """
         state = self._clip_state
         if state is None:
             return {}
-        stats, norms = (
-            np.asarray(backend.host_view(v))
-            for v in self._values_of(
-                [state.norm_stats, state.layer_norms], optimizer_variables
-            )
-        )
-        found = {
-            "global": float(
-                state.read(self._values_of(state.variables(), optimizer_variables))[
-                    "clip_threshold"
-                ]
-            )
-        }
+        values = self._values_of(state.variables(), optimizer_variables)
+        stats, norms = (np.asarray(backend.host_view(v)) for v in values[:2])
+        found = {"global": float(state.read(values)["clip_threshold"])}
         warm = stats[0] >= adaptive_clip.WARMUP_STEPS
-        names = self._names()[: len(norms) - 1]
+        names = [
+            getattr(v, "path", None) or v.name
+            for v in getattr(self, "_trainable_variables", [])
+        ]
         for name, ema in zip(names, norms[:-1], strict=False):
             found[name] = (
                 float(adaptive_clip.LAYER_FACTOR * ema) if warm and ema > 0 else np.inf

@@ -41,6 +41,12 @@ class Settings:
         """Whether the graded handling is on (`clip="adaptive"`)."""
         return self.clip == "adaptive"
 
+    def replaced(
+        self, inner: keras.optimizers.Optimizer, **changed: object
+    ) -> Settings:
+        """These settings with `changed` ones, all checked again."""
+        return Settings.checked(inner, **{**dataclasses.asdict(self), **changed})
+
     @classmethod
     def checked(
         cls,
@@ -108,8 +114,9 @@ def _check_graded(
         clip = check_choice("clip", clip, ("adaptive",))
     ratio = check_positive("max_update_ratio", max_update_ratio, allow_none=True)
     resets = check_int("reset_moments", reset_moments, 1, allow_none=True)
-    if clip is None and (ratio != MAX_UPDATE_RATIO or resets is not None):
-        given = "max_update_ratio" if ratio != MAX_UPDATE_RATIO else "reset_moments"
+    bound = ratio not in (None, MAX_UPDATE_RATIO)  # None: no bound, the same
+    if clip is None and (bound or resets is not None):
+        given = "max_update_ratio" if bound else "reset_moments"
         raise ValueError(
             f'`{given}` is part of the graded handling: set `clip="adaptive"` '
             f"too. Received: clip=None, {given}="

@@ -213,13 +213,13 @@ class Transaction:
         """Per entry of `plan.state`, the factor its update is scaled by
         (`None`: as made), and whether any is below 1; `None`, `None`
         without the update bound."""
-        ratio = self.settings.max_update_ratio
-        if self.clip_state is None or ratio is None or not plan.bounded:
+        state = self.clip_state
+        if state is None or self.settings.max_update_ratio is None or not plan.bounded:
             return None, None
         found = adaptive_clip.update_scales(
             [backup[i] for i in plan.bounded],
             [plan.state[i].value for i in plan.bounded],
-            ratio,
+            state.update_ratio.value,
         )
         scales: list[Any] = [None] * len(plan.state)
         for k, i in enumerate(plan.bounded):
