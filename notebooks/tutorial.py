@@ -510,3 +510,37 @@ def corpus() -> Any:
     from tests import corpus as runs
 
     return runs
+
+
+def learning_rate_sweep(
+    tasks: str = "gpt,digits",
+    arms: str = "clipnorm,zclip,adaptive",
+    rates: tuple[float, ...] = (1e-2, 1e-1, 1.0),
+    steps: int = 300,
+    seeds: str = "0",
+) -> dict:
+    """A reduced run of `benchmarks/bench_stable_lr.py` (the repository's
+    learning-rate sweep; it trains on JAX, so it runs in a process of its own
+    whatever this kernel's backend): its summary per task and arm, with the
+    rates, as the benchmark's `--json` writes them."""
+    import json
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "bench_stable_lr.py")
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sweep.json")
+        args = ["--tasks", tasks, "--arms", arms, "--seeds", seeds]
+        args += ["--steps", str(steps), "--json", out]
+        args += ["--rates", ",".join(f"{r:g}" for r in rates)]
+        done = subprocess.run(
+            [sys.executable, script, *args], env=env, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the sweep failed:\n{done.stderr[-3000:]}")
+        with open(out) as f:
+            found = json.load(f)
+    return {"rates": found["rates"], **found["summary"]}

@@ -141,6 +141,27 @@ def test_thresholds_and_bound_follow_the_documented_rules_step_by_step(ratio):
         assert c["bounded_update_steps"] > 0
 
 
+def test_the_bound_anneals_with_the_learning_rate_schedule():
+    # A rate of 1 for 4 steps (Keras: step <= 3), then 0.1: the bound, 1% of the kernel's RMS a
+    # step, becomes 0.1% of it (a decay keeps its meaning under the bound).
+    kernel = keras.Variable(np.full((4, 4), 2.0, "float32"))
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([3], [1.0, 0.1])
+    opt = ng.SafeOptimizer(keras.optimizers.SGD(schedule), clip="adaptive")
+    opt.build([kernel])
+    grad = keras.ops.ones((4, 4))
+    moved = []
+    for _ in range(6):
+        before = numpy([kernel])[0]
+        opt.apply([grad], [kernel])
+        after = numpy([kernel])[0]
+        moved.append(
+            float(np.sqrt(np.mean((after - before) ** 2) / np.mean(before**2)))
+        )
+    # (a 0.2% move of a float32 weight of 2 is read to about 1e-4)
+    np.testing.assert_allclose(moved, [0.01] * 4 + [0.001] * 2, rtol=2e-4)
+    assert int(opt.bounded_update_steps) == 6
+
+
 def test_a_layer_burst_is_clipped_where_the_global_norm_sees_none():
     variables = _weights()
     opt = ng.SafeOptimizer(

@@ -84,6 +84,7 @@ FIGURES = {
         " warned=[i.diagnosis.at_step for i in g.incidents"
         " if i.kind == 'divergence_warning']) for n, g in diverged.items()}",
     },
+    "05_learning_rate.ipynb": {"sweep": "sweep"},
 }
 
 _PRELUDE = {
@@ -346,3 +347,15 @@ if __name__ == "__main__":
         _check_outputs(nb, name)
         nbformat.write(nb, path)
         print(f"{name}: {os.path.getsize(path)} bytes")
+
+
+def test_learning_rate_claims():
+    sweep = executed("05_learning_rate.ipynb")[1]["sweep"]
+    assert sweep["rates"] == [0.01, 0.1, 1.0]
+    for task in ("gpt", "digits"):
+        adaptive, clipnorm = sweep[task]["adaptive"], sweep[task]["clipnorm"]
+        # "at a rate of 1 the run still ends near its best loss"
+        assert adaptive["final"][2] <= 1.1 * adaptive["best"], task
+        # plain clipping does not, and ends above the adaptive run there
+        assert clipnorm["final"][2] > 1.1 * clipnorm["best"], task
+        assert clipnorm["final"][2] > adaptive["final"][2], task

@@ -58,6 +58,14 @@ class TestJaxAcrossProcesses:
         trained, plain = w["transaction_trained"], w["transaction_plain_trained"]
         assert trained.tobytes() == plain.tobytes()
 
+    def test_the_graded_handling_equals_the_job_without_the_bad_batch(self, jax_job):
+        _, found, (w, _) = jax_job
+        f = found[0]
+        assert f["graded_skipped_steps"] == 2  # the bad batch, once an epoch
+        assert f["graded_bounded_update_steps"] > 0
+        # A rejected step changes no statistic: bit for bit the clean job.
+        assert w["graded"].tobytes() == w["graded_clean"].tobytes()
+
     def test_the_guides_stateless_loop_skips_the_bad_batch(self, jax_job):
         _, found, (w, _) = jax_job
         assert found[0]["loop_skipped"] == 1
@@ -184,6 +192,11 @@ def test_torch_ddp_loop_rejects_skips_and_quarantines_alike(tmp_path):
     np.testing.assert_allclose(
         w["quarantine"], w["quarantine_alone"], rtol=1e-5, atol=1e-7
     )
+    # clip="adaptive": the same thresholds, bounds and decisions on both
+    # processes (checked above), and the same as one process on the global
+    # batches without the bad one.
+    assert (f["graded_skipped_steps"], f["graded_bounded_update_steps"]) == (1, 11)
+    np.testing.assert_allclose(w["graded"], w["graded_alone"], rtol=1e-5, atol=1e-7)
     assert "NaNGuard runs inside Keras's `fit`" in f["nan_guard_error"]
     assert "Received: 2 processes on the torch backend" in f["nan_guard_error"]
 

@@ -23,10 +23,17 @@ no branch and no host read:
    does not have to move the global norm to be caught.
 4. **Each weight tensor's update** is bounded relative to the tensor:
 
-   .. math:: \mathrm{RMS}(\Delta w) \le \rho \, \max(\mathrm{RMS}(w), 10^{-3}),
+   .. math:: \mathrm{RMS}(\Delta w) \le \rho \, \frac{\eta_t}{\max_{s \le t} \eta_s}
+             \max(\mathrm{RMS}(w), f),
 
-   :math:`\rho` = `max_update_ratio` (0.01 by default), the update scaled
-   down where it is larger. Gradient clipping cannot reach what makes a run
+   :math:`\rho` = `max_update_ratio` (0.01 by default) times the step's
+   learning rate over the highest rate a step has run at, the update scaled
+   down where it is larger. The bound anneals as the schedule does: a run
+   whose rate is far above the bound would otherwise never feel its cosine
+   decay, and its weights (and BatchNormalization's moving statistics,
+   which trail them) would never settle. Vectors (biases, normalization
+   scales and offsets) count an RMS of :math:`f = 1` at least, matrices
+   :math:`f = 10^{-3}`. Gradient clipping cannot reach what makes a run
    at a high learning rate diverge with Adam-type optimizers, which divide
    the gradient's scale away: the step's size is the learning rate itself.
    Adafactor clips each tensor's update to an RMS of 1 in units of the rate,
@@ -36,9 +43,10 @@ no branch and no host read:
    bound rather than a rescaling, and AGC's floor of 1e-3 for tensors near
    zero) keeps each step a small fraction of what it changes, whatever the
    rate, and leaves a step already under the bound bit for bit as the inner
-   optimizer made it. 0.01 was chosen on a tuning seed of the character-level
-   GPT of `benchmarks/bench_stable_lr.py` and judged on its other seeds and
-   on the digits CNN, which the choice never saw (BENCHMARKS.md).
+   optimizer made it. 0.01, the floors and the annealing were chosen on a
+   tuning seed of the character-level GPT of `benchmarks/bench_stable_lr.py`
+   and judged on its other seeds and on the digits CNN (which the annealing
+   was not blind to: BENCHMARKS.md says how).
 
 Rejected steps leave every statistic as it was. The state is a few scalars
 and one per tensor: `ClipState`, variables of the optimizer, saved with it.
@@ -86,6 +94,7 @@ class ClipState:
     bounded_update_steps: keras.Variable  # accepted steps with an update bounded
     moment_resets: keras.Variable  # resets of the inner optimizer's moments
     update_ratio: keras.Variable  # `max_update_ratio` (a variable: settable)
+    peak_rate: keras.Variable  # the highest learning rate a step has run at
 
     @classmethod
     def create(
@@ -119,6 +128,7 @@ class ClipState:
             bounded_update_steps=make("bounded_update_steps", (), "int32", 0),
             moment_resets=make("moment_resets", (), "int32", 0),
             update_ratio=make("update_ratio", (), "float32", ratio or 0.0),
+            peak_rate=make("peak_rate", (), "float32", 0.0),
         )
 
     def variables(self) -> list[keras.Variable]:
@@ -132,6 +142,7 @@ class ClipState:
             self.bounded_update_steps,
             self.moment_resets,
             self.update_ratio,
+            self.peak_rate,
         ]
 
     def count(self, ok: Any, bounded: Any, reset: Any) -> None:
@@ -261,6 +272,18 @@ class Clipping:
         state.layer_norms.assign(
             ops.scatter_update(state.layer_norms.value, self._positions[:, None], ema)
         )
+
+
+def step_ratio(state: ClipState, rate: Any) -> Any:
+    """The bound of this step: `max_update_ratio` times the learning rate
+    `rate` over the highest one any step has run at (kept in `peak_rate`),
+    so that the bound anneals as the schedule does (a cosine decay to a
+    tenth ends with a tenth of the bound). During a warm-up the rate is its
+    highest yet: the bound whole."""
+    rate = ops.cast(rate, "float32")
+    peak = ops.maximum(state.peak_rate.value, rate)
+    state.peak_rate.assign(peak)
+    return state.update_ratio.value * ops.where(peak > 0.0, rate / peak, 1.0)
 
 
 def update_scales(old: list[Any], new: list[Any], ratio: Any) -> Any:

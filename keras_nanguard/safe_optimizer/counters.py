@@ -67,7 +67,7 @@ class StepOutcome(NamedTuple):
     update_ok: Any  # every new weight and optimizer variable is finite
     norm: Any  # the global norm of the raw gradients
     bad_index: Any  # the reported index of the first non-finite value
-    clipped: Any = None  # the gradients were clipped; `None` without clipnorm
+    clipped: Any = None  # the gradients were clipped; `None` without clipping
     spike: Any = None  # the norm is a spike; `None` without spike_factor
     spike_figures: Any = None  # the spike's threshold and percentile
 
@@ -109,8 +109,9 @@ class Counters:
         metadata=_counter(
             "int32",
             0,
-            "Accepted steps whose gradients were clipped to `clipnorm` (0 "
-            "with gradient accumulation, where the inner optimizer clips).",
+            "Accepted steps whose gradients were clipped: to `clipnorm`, or "
+            'with `clip="adaptive"` by its global or a layer\'s threshold '
+            "(0 with gradient accumulation, where the inner optimizer clips).",
             history=True,
         )
     )

@@ -172,7 +172,7 @@ class Transaction:
         outcome = StepOutcome(
             ok, grads_ok, update_ok, norm, bad_index, clipped, spike, spike_figures
         )
-        scales, bounded = self._bounds(plan, backup)
+        scales, bounded = self._bounds(plan, backup, learning_rate)
         restored, reset = self._reset_moments(ok, plan, backup)
         step_ops.restore_unless(ok, plan.state, restored, scales)
         if clipping is not None:
@@ -209,17 +209,19 @@ class Transaction:
             state, norm, grad_sq, plan.grad_index, self.settings.clipnorm
         )
 
-    def _bounds(self, plan: Plan, backup: list) -> tuple[list | None, Any]:
+    def _bounds(
+        self, plan: Plan, backup: list, learning_rate: Any
+    ) -> tuple[list | None, Any]:
         """Per entry of `plan.state`, the factor its update is scaled by
         (`None`: as made), and whether any is below 1; `None`, `None`
-        without the update bound."""
+        without the update bound. `learning_rate`: the step's."""
         state = self.clip_state
         if state is None or self.settings.max_update_ratio is None or not plan.bounded:
             return None, None
         found = adaptive_clip.update_scales(
             [backup[i] for i in plan.bounded],
             [plan.state[i].value for i in plan.bounded],
-            state.update_ratio.value,
+            adaptive_clip.step_ratio(state, learning_rate),
         )
         scales: list[Any] = [None] * len(plan.state)
         for k, i in enumerate(plan.bounded):

@@ -128,6 +128,29 @@ def s_transaction():
     found["transaction_skipped"] = int(model.optimizer.counters()["skipped_steps"])
 
 
+def s_graded_handling():
+    """clip="adaptive", attached, a bad batch: the same thresholds and bounds
+    on every process, and the job without the bad batch."""
+    data_parallel()
+    x, y = global_data(rank1([5]))
+
+    def graded():
+        model = model_of(ng.SafeOptimizer(keras.optimizers.Adam(0.3), clip="adaptive"))
+        model.optimizer.attach(model)
+        return model
+
+    model = graded()
+    fit(model, *mine(x, y), epochs=2)
+    clean = graded()
+    fit(clean, *mine(x, y, without=[5]), epochs=2)
+    weights["graded"] = local(model.weights)
+    weights["graded_clean"] = local(clean.weights)
+    counters = model.optimizer.counters()
+    for key in ("skipped_steps", "clipped_steps", "bounded_update_steps"):
+        found[f"graded_{key}"] = int(counters[key])
+    found["graded_thresholds"] = list(model.optimizer.clip_thresholds().values())
+
+
 def s_nanguard_as_it_comes():
     """NaNGuard, as it comes."""
     x, y = global_data(rank1([5, 6, 7]))
@@ -328,6 +351,8 @@ if scenario("the whole-model transaction"):
     s_transaction()
 if scenario("NaNGuard, as it comes"):
     s_nanguard_as_it_comes()
+if scenario("the graded handling (clip='adaptive')"):
+    s_graded_handling()
 if scenario("a loss spike, rolled back"):
     s_a_loss_spike_rolled_back()
 if scenario("raise and stop"):

@@ -146,6 +146,24 @@ alone_opt = ng.SafeOptimizer(
 )
 weights["safe_alone"] = flat(alone(alone_opt, whole_batches(x, y, without=[4, 9])))
 
+# ---------------------------- the graded handling (clip="adaptive") under DDP
+print("scenario: clip='adaptive', a bad row", flush=True)
+x, y = global_data(bad_rows=[(4, HALF + 3)])
+
+
+def graded():
+    return ng.SafeOptimizer(keras.optimizers.Adam(0.3), clip="adaptive")
+
+
+safe = graded()
+model = ddp_loop(safe, x, y)
+counters = safe.counters()
+for key in ("skipped_steps", "clipped_steps", "bounded_update_steps"):
+    found[f"graded_{key}"] = int(counters[key])
+found["graded_threshold"] = float(counters["clip_threshold"])
+weights["graded"] = flat(model)
+weights["graded_alone"] = flat(alone(graded(), whole_batches(x, y, without=[4])))
+
 # ---------------------------------------- the quarantine, global rows
 print("scenario: the quarantine, global rows", flush=True)
 bad = [(3, HALF + 1), (3, HALF + 5), (8, 2), (8, HALF + 2)]
