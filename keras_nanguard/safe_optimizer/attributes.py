@@ -4,7 +4,6 @@ read and set on the optimizer, and its counters (`Counters`), read on it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import keras
@@ -71,10 +70,7 @@ class CounterAttribute:
     that may be non-finite, held as a finite code) reads as its value, NaN
     or inf included: a tensor, not the variable."""
 
-    def __init__(
-        self, of: Callable[[Counters], keras.Variable | None], coded: bool = False
-    ) -> None:
-        self._of = of
+    def __init__(self, coded: bool = False) -> None:
         self._coded = coded
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -92,7 +88,7 @@ class CounterAttribute:
         if obj is None:
             return self
         counters = obj.__dict__.get("_counters")
-        variable = None if counters is None else self._of(counters)
+        variable = None if counters is None else getattr(counters, self._name)
         if variable is None:
             raise AttributeError(
                 f"SafeOptimizer has no `{self._name}`"
