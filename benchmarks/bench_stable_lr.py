@@ -633,16 +633,9 @@ def cost_table(arms: list[str], tasks: list[str]) -> str:
 
 
 # ================================================================ examples
-EXAMPLES = (
-    "convnet",
-    "lstm",
-    "transformer",
-    "gpt",
-    "vae",
-    "gan",
-    "wgan_gp",
-    "actor_critic",
-)
+# Those whose optimizer comes from `examples._run.optimizer` (the actor-critic
+# loops make theirs inline).
+EXAMPLES = ("convnet", "lstm", "transformer", "gpt", "vae", "gan", "wgan_gp")
 
 
 def examples_table(ratios: list[float | None]) -> str:
@@ -714,7 +707,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="3 arms, 1 seed, 300 steps, rates 1e-2, 1e-1, 1",
+        help="3 arms, 1 seed, rates 1e-2, 1e-1, 1",
     )
     parser.add_argument("--cost", action="store_true")
     parser.add_argument(
@@ -754,7 +747,9 @@ def main() -> None:
     )
     if args.quick:
         arms = [a for a in ("clipnorm", "zclip", "adaptive") if a in arms] or arms
-        seeds, steps, rates = seeds[:1], 300, [1e-2, 1e-1, 1.0]
+        # 600 steps still: digits' BatchNormalization moving statistics need
+        # them (at 300 its held-out loss is 5 at any rate, at 450 still 0.8).
+        seeds, rates = seeds[:1], [1e-2, 1e-1, 1.0]
     start = time.perf_counter()
     results = sweep(tasks, arms, rates, seeds, steps, lambda s: print(s, flush=True))
     summaries = {name: summarize(res, rates) for name, res in results.items()}

@@ -516,7 +516,7 @@ def learning_rate_sweep(
     tasks: str = "gpt,digits",
     arms: str = "clipnorm,zclip,adaptive",
     rates: tuple[float, ...] = (1e-2, 1e-1, 1.0),
-    steps: int = 300,
+    steps: int = 600,
     seeds: str = "0",
 ) -> dict:
     """A reduced run of `benchmarks/bench_stable_lr.py` (the repository's

@@ -200,7 +200,7 @@ class Clipping:
         spare = int(state.layer_norms.shape[0]) - 1
         self._positions = np.array([i if i >= 0 else spare for i in index], "int32")
         self._spare = self._positions == spare
-        stats = ops.cast(state.norm_stats.value, "float32")
+        self._stats = stats = ops.cast(state.norm_stats.value, "float32")
         seen, mean, var = stats[0], stats[1], stats[2]
         norm = ops.cast(norm, "float32")
         self.norm = norm
@@ -230,8 +230,7 @@ class Clipping:
         """The statistics after the step: an accepted step's norm enters them
         (the global EMA takes the adaptive threshold where it clipped, each
         layer its clipped norm); a rejected one changes nothing."""
-        state = self.state
-        stats = ops.cast(state.norm_stats.value, "float32")
+        state, stats = self.state, self._stats
         seen, mean, var = stats[0], stats[1], stats[2]
         taken = ops.minimum(self.norm, self.adaptive)
         # Warm-up: the running mean and variance of the first norms (at its
