@@ -52,9 +52,18 @@ def check_positive(name: str, value: Any, allow_none: bool = False) -> Any:
 
 
 def check_in(
-    name: str, value: Any, low: float, high: float, *, closed_high: bool
-) -> float:
-    """`value` as a float, if it is a number in (low, high) or (low, high]."""
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    closed_high: bool,
+    allow_none: bool = False,
+) -> Any:
+    """`value` as a float, if it is a number in (low, high) or (low, high]
+    (or None if allowed)."""
+    if value is None and allow_none:
+        return None
     bracket = "]" if closed_high else ")"
     what = f"in ({low:g}, {high:g}{bracket}"
     if not _is_real(value):
@@ -103,10 +112,15 @@ def check_int_or_auto(name: str, value: Any, low: int) -> int | str:
 
 
 def check_choice(
-    name: str, value: Any, choices: tuple[str, ...] | tuple[int, ...]
+    name: str,
+    value: Any,
+    choices: tuple[str, ...] | tuple[int, ...],
+    allow_none: bool = False,
 ) -> Any:
     """`value` if it is one of `choices`: all strings, or all integers (NumPy
-    integers count, bools do not)."""
+    integers count, bools do not); or None if allowed."""
+    if value is None and allow_none:
+        return None
     text = isinstance(choices[0], str)
     message = f"`{name}` must be one of {choices}. Received: {name}={value!r}"
     if not (isinstance(value, str) if text else is_int(value)):
@@ -150,23 +164,22 @@ def check_not_a_file(name: str, path: str | None) -> str | None:
     return path
 
 
-def check_output_paths(
-    directory: Any, report_path: Any, writable: bool = False
-) -> tuple[str | None, str | None]:
-    """NaNGuard's `directory` and `report_path` as `str` (or None), if the
-    first is not an existing file and the second not an existing directory;
-    with `writable`, once they can be written (`directory` is created)."""
-    directory = check_not_a_file(
-        "directory", check_path("directory", directory, allow_none=True)
-    )
-    report_path = check_not_a_directory(
-        "report_path", check_path("report_path", report_path, allow_none=True)
-    )
-    if writable and directory is not None:
-        check_writable(directory, "directory")
-    if writable and report_path is not None:
-        check_writable(os.path.dirname(os.path.abspath(report_path)), "report_path")
-    return directory, report_path
+def check_directory(name: str, value: Any, writable: bool = False) -> str | None:
+    """`value` as a `str` path (or None) of a directory to write into: not an
+    existing file; with `writable`, created and tried."""
+    path = check_not_a_file(name, check_path(name, value, allow_none=True))
+    if writable and path is not None:
+        check_writable(path, name)
+    return path
+
+
+def check_file_path(name: str, value: Any, writable: bool = False) -> str | None:
+    """`value` as a `str` path (or None) of a file to write: not an existing
+    directory; with `writable`, its directory created and tried."""
+    path = check_not_a_directory(name, check_path(name, value, allow_none=True))
+    if writable and path is not None:
+        check_writable(os.path.dirname(os.path.abspath(path)), name)
+    return path
 
 
 def check_writable(directory: str, name: str) -> None:

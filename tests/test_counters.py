@@ -18,7 +18,7 @@ from keras_nanguard.safe_optimizer.counters import (
     StepOutcome,
     variable_names,
 )
-from keras_nanguard.safe_optimizer.settings import Settings
+from keras_nanguard.safe_optimizer.optimizer import ARGUMENTS
 
 # The saved `.keras` layout: (name, dtype, shape, initial value), in order.
 LAYOUT = [
@@ -52,7 +52,7 @@ WINDOW = [
 
 def _counters(**settings):
     holder = keras.optimizers.SGD(0.1)  # any optimizer can hold them
-    return Counters.create(holder, Settings(**settings)), holder
+    return Counters.create(holder, ARGUMENTS.of(**settings)), holder
 
 
 def _layout(variables):

@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_nanguard.safe_optimizer.counters import Counters
 from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
-from keras_nanguard.safe_optimizer.settings import Settings
+from keras_nanguard.safe_optimizer.optimizer import ARGUMENTS
 from tests.helpers import assert_bit_identical, numpy
 
 
@@ -25,10 +25,14 @@ def _model():
 
 def _side(model=None, **settings):
     holder = keras.optimizers.SGD(0.1)
-    counters = Counters.create(holder, Settings(**settings))
+    counters = Counters.create(holder, ARGUMENTS.of(**settings))
     if model is not None:
         model.compile(optimizer=holder, loss="mse")
-    return ModelTransaction(holder, counters, Settings(**settings)), counters, holder
+    return (
+        ModelTransaction(holder, counters, ARGUMENTS.of(**settings)),
+        counters,
+        holder,
+    )
 
 
 def _statistics(model):

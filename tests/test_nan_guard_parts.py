@@ -12,7 +12,8 @@ import pytest
 
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.nan_guard.batch_watch import Event
-from keras_nanguard.nan_guard.fit_state import Settings, start_fit
+from keras_nanguard.nan_guard.callback import ARGUMENTS
+from keras_nanguard.nan_guard.fit_state import start_fit
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
 from keras_nanguard.nan_guard.turns import Turns
@@ -25,10 +26,10 @@ def _parts(**settings):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     settings.setdefault("snapshot_every", 1000)
-    state = start_fit(0, model, Settings(**settings))
+    state = start_fit(0, model, ARGUMENTS.of(**settings))
     keeper, log, written = SnapshotKeeper(), IncidentLog(), []
     turns = Turns.for_fit(
-        Settings(**settings),
+        ARGUMENTS.of(**settings),
         state,
         log,
         keeper,

@@ -216,14 +216,14 @@ def test_an_auto_cadence_of_many_processes_takes_the_agreed_interval():
 # ----------------------------------------------------------------- replay
 def test_replay_data_is_checked():
     x, y = np.zeros((10, 2)), np.zeros((10,))
-    assert replay.check(None) is None
-    assert replay.check((x, y)) == (x, y)
+    assert replay.check("replay", None) is None
+    assert replay.check("replay", (x, y)) == (x, y)
     with pytest.raises(ValueError, match=r"len\(x\)=10, len\(y\)=9"):
-        replay.check((x, y[:9]))
+        replay.check("replay", (x, y[:9]))
     with pytest.raises(ValueError, match="`replay` must be"):
-        replay.check((x, y, y))
+        replay.check("replay", (x, y, y))
     with pytest.raises(TypeError, match="`replay` must be"):
-        replay.check({"x": x})
+        replay.check("replay", {"x": x})
 
 
 def test_replay_finds_the_one_bad_batch_of_an_execution():
@@ -261,7 +261,7 @@ def test_replay_reads_a_py_dataset():
             return x, np.zeros((2,), "float32")
 
     data = Batches()
-    assert replay.check(data) is data
+    assert replay.check("replay", data) is data
     item, bad = replay.batches(data, batch_size=99, first=0, last=2)
     assert bad == 1
     assert float(item[0][1, 0]) == 1.0

@@ -7,14 +7,14 @@ import pytest
 from keras import ops
 
 from keras_nanguard.safe_optimizer.counters import Counters
-from keras_nanguard.safe_optimizer.settings import Settings
+from keras_nanguard.safe_optimizer.optimizer import ARGUMENTS
 from keras_nanguard.safe_optimizer.step import Transaction
 from tests.helpers import assert_bit_identical, numpy
 
 
 def _transaction(inner, **settings):
-    counters = Counters.create(keras.optimizers.SGD(0.0), Settings(**settings))
-    return Transaction(inner, counters, Settings(**settings)), counters
+    counters = Counters.create(keras.optimizers.SGD(0.0), ARGUMENTS.of(**settings))
+    return Transaction(inner, counters, ARGUMENTS.of(**settings)), counters
 
 
 def _variables():

@@ -5,9 +5,9 @@ are private. NaNGuard is built from typed parts that it holds, not mixins:
 
 - `callback`: the `keras.callbacks.Callback` users see: its hooks, which
   hand the work to the parts below.
-- `fit_state`: what the parts share in one `fit`: `Settings` and the
-  `FitState` (which thread touches which field); `safe_counters`: what
-  they use of a SafeOptimizer.
+- `fit_state`: what the parts share in one `fit`: the `FitState` (which
+  thread touches which field); `safe_counters`: what they use of a
+  SafeOptimizer.
 - `batch_watch`: the batch-end side (it may run in Keras's worker threads):
   the logs read, the events queued; with `figures` (the epoch's figures
   without the bad batches) and `loss_spikes` (the loss-spike rule).

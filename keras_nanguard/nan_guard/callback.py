@@ -8,23 +8,24 @@ training thread's `Turns`. Threads: docs/nan_guard.md.
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
-from typing import Any
+from typing import Annotated, Any
 
 import keras
 import numpy as np
 
 from keras_nanguard import snapshots
+from keras_nanguard._arguments import ArgumentSpec, Check
 from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import (
     check_bool,
     check_choice,
+    check_directory,
+    check_file_path,
     check_in,
     check_int,
     check_int_or_auto,
-    check_output_paths,
     check_positive,
 )
 from keras_nanguard.flight.reading import RunDiagnosis
@@ -36,13 +37,27 @@ from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard import runs as _runs
 from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
 from keras_nanguard.nan_guard import telling
-from keras_nanguard.nan_guard.fit_state import Settings, start_fit
+from keras_nanguard.nan_guard.fit_state import start_fit
 from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
 from keras_nanguard.nan_guard.turns import Turns
 
 POLICIES = ("rollback", "stop", "raise", "warn")
+
+
+def _check_early_warning(name: str, value: Any) -> bool | str:
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if value != "act":
+        raise ValueError(
+            f"`{name}` must be True (record a `divergence_warning` incident), "
+            "False (none) or 'act' (also lower the learning rate, with "
+            f"policy='rollback'). Received: {name}={value!r}"
+        )
+    return "act"
+
+
 # A batch end waits at most this long for the one before it (Keras's worker
 # threads may start them out of order); past it, it goes on regardless.
 _ORDER_TIMEOUT = 60.0
@@ -162,63 +177,39 @@ class NaNGuard(keras.callbacks.Callback):
 
     def __init__(
         self,
-        policy: str = "rollback",
+        # Each argument's one declaration: type, check, default; the
+        # attributes of these names, `get_config` and the settings a `fit`
+        # runs with are made from them.
+        policy: Annotated[str, Check(check_choice, POLICIES)] = "rollback",
         *,
-        snapshot_every: int | str = "auto",
-        snapshot_budget: float = 0.01,
-        check_every: int | str = "auto",
-        lr_factor: float = 0.5,
-        skip_batches: int = 0,
-        patience: int = 3,
-        max_rejections: int = 3,
-        loss_spike_sigma: float | None = None,
-        loss_spike_window: int = 100,
-        loss_spike_patience: int = 3,
-        directory: str | os.PathLike | None = None,
-        report_path: str | os.PathLike | None = None,
-        replay: Any = None,
-        batch_size: int = 32,
-        quarantine: bool = False,
-        max_quarantine_fraction: float = 0.5,
-        early_warning: bool | str = True,
-        verbose: int = 1,
+        snapshot_every: Annotated[int | str, Check(check_int_or_auto, 1)] = "auto",
+        snapshot_budget: Annotated[
+            float, Check(check_in, 0, 1, closed_high=False)
+        ] = 0.01,
+        check_every: Annotated[int | str, Check(check_int_or_auto, 1)] = "auto",
+        lr_factor: Annotated[float, Check(check_in, 0, 1, closed_high=True)] = 0.5,
+        skip_batches: Annotated[int, Check(check_int, 0)] = 0,
+        patience: Annotated[int, Check(check_int, 0)] = 3,
+        max_rejections: Annotated[int, Check(check_int, 1)] = 3,
+        loss_spike_sigma: Annotated[
+            float | None, Check(check_positive, allow_none=True)
+        ] = None,
+        loss_spike_window: Annotated[int, Check(check_int, 2)] = 100,
+        loss_spike_patience: Annotated[int, Check(check_int, 1)] = 3,
+        directory: Annotated[str | os.PathLike | None, Check(check_directory)] = None,
+        report_path: Annotated[str | os.PathLike | None, Check(check_file_path)] = None,
+        replay: Annotated[Any, Check(_replay.check)] = None,
+        batch_size: Annotated[int, Check(check_int, 1)] = 32,
+        quarantine: Annotated[bool, Check(check_bool)] = False,
+        max_quarantine_fraction: Annotated[
+            float, Check(check_in, 0, 1, closed_high=True)
+        ] = 0.5,
+        early_warning: Annotated[bool | str, Check(_check_early_warning)] = True,
+        verbose: Annotated[int, Check(check_choice, (0, 1))] = 1,
     ) -> None:
         super().__init__()
-        self.policy = check_choice("policy", policy, POLICIES)
-        self.snapshot_every = check_int_or_auto("snapshot_every", snapshot_every, 1)
-        self.snapshot_budget = check_in(
-            "snapshot_budget", snapshot_budget, 0, 1, closed_high=False
-        )
-        self.check_every = check_int_or_auto("check_every", check_every, 1)
-        self.lr_factor = check_in("lr_factor", lr_factor, 0, 1, closed_high=True)
-        self.skip_batches = check_int("skip_batches", skip_batches, 0)
-        self.patience = check_int("patience", patience, 0)
-        self.max_rejections = check_int("max_rejections", max_rejections, 1)
-        self.loss_spike_sigma = check_positive(
-            "loss_spike_sigma", loss_spike_sigma, allow_none=True
-        )
-        self.loss_spike_window = check_int("loss_spike_window", loss_spike_window, 2)
-        self.loss_spike_patience = check_int(
-            "loss_spike_patience", loss_spike_patience, 1
-        )
-        self.directory, self.report_path = check_output_paths(directory, report_path)
-        self.replay = _replay.check(replay)
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self.quarantine = check_bool("quarantine", quarantine)
-        self.max_quarantine_fraction = check_in(
-            "max_quarantine_fraction", max_quarantine_fraction, 0, 1, closed_high=True
-        )
-        if isinstance(early_warning, bool | np.bool_):
-            early_warning = bool(early_warning)
-        elif early_warning != "act":
-            raise ValueError(
-                "`early_warning` must be True (record a `divergence_warning` "
-                "incident), False (none) or 'act' (also lower the learning "
-                "rate, with policy='rollback'). "
-                f"Received: early_warning={early_warning!r}"
-            )
-        self.early_warning = early_warning
-        self.verbose = check_choice("verbose", verbose, (0, 1))
+        for name, value in ARGUMENTS.checked(locals()).items():  # the names above
+            setattr(self, name, value)
         # What outlives a fit: the incidents, the rollback point and the
         # counts, what has been told. `_turns`: the fit under way (or the last).
         self._log = IncidentLog()
@@ -285,9 +276,11 @@ class NaNGuard(keras.callbacks.Callback):
     # `on_train_batch_end` may run in Keras's worker threads, the other hooks
     # run on the training thread: see `fit_state` and docs/nan_guard.md.
     def on_train_begin(self, logs: dict | None = None) -> None:
-        # Again: the paths may have changed since the constructor.
-        check_output_paths(self.directory, self.report_path, writable=True)
-        settings = Settings.of(self)
+        # The arguments now (checked again: they are attributes a user may
+        # have set since), for the whole fit.
+        settings = ARGUMENTS.checked({n: getattr(self, n) for n in ARGUMENTS.names})
+        check_directory("directory", settings.directory, writable=True)
+        check_file_path("report_path", settings.report_path, writable=True)
         index, count = _processes.processes()
         _processes.check_engine(count)
         if count > 1:
@@ -514,10 +507,12 @@ class NaNGuard(keras.callbacks.Callback):
         return _snapshot_io.load_into(model, directory).step
 
     def get_config(self) -> dict[str, Any]:
-        # Every constructor argument but `replay` (data, not configuration).
-        names = inspect.signature(NaNGuard.__init__).parameters
-        return {n: getattr(self, n) for n in names if n not in ("self", "replay")}
+        # Every argument but `replay` (data, not configuration).
+        return {n: getattr(self, n) for n in ARGUMENTS.names if n != "replay"}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> NaNGuard:
         return cls(**config)
+
+
+ARGUMENTS = ArgumentSpec(NaNGuard.__init__)

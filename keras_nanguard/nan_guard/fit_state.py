@@ -1,6 +1,6 @@
-"""What NaNGuard's parts share during one `fit`: the settings it runs with
-(`Settings`) and the state it keeps (`FitState`), both made afresh in
-`on_train_begin`.
+"""What NaNGuard's parts share during one `fit`: the state it keeps
+(`FitState`), made afresh in `on_train_begin` with the guard's arguments as
+they are then (its settings for the fit, an `Arguments`).
 
 Threads: Keras may run `on_train_batch_end` in its worker threads (JAX,
 PyTorch: NaNGuard is `async_safe` there); every other hook runs on the
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
 
 import keras
 
 from keras_nanguard import snapshots
+from keras_nanguard._arguments import Arguments
 from keras_nanguard._backend import current as backend
 from keras_nanguard.nan_guard import telling
 from keras_nanguard.nan_guard.batch_watch import BatchWatch, watch_for_fit
@@ -26,36 +26,6 @@ from keras_nanguard.nan_guard.cadence import Cadence
 from keras_nanguard.nan_guard.processes import agree_max
 from keras_nanguard.nan_guard.safe_counters import SafeCounters, SafeOptimizers
 from keras_nanguard.safe_optimizer import SafeOptimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The guard's settings that a `fit` runs with, as they were when it
-    began (see `NaNGuard`'s arguments; `report_path` and `verbose` are the
-    guard's telling side's, read when it tells)."""
-
-    policy: str = "rollback"
-    snapshot_every: int | str = "auto"
-    snapshot_budget: float = 0.01
-    check_every: int | str = "auto"
-    lr_factor: float = 0.5
-    skip_batches: int = 0
-    patience: int = 3
-    max_rejections: int = 3
-    loss_spike_sigma: float | None = None
-    loss_spike_window: int = 100
-    loss_spike_patience: int = 3
-    directory: str | None = None
-    replay: Any = None
-    batch_size: int = 32
-    quarantine: bool = False
-    max_quarantine_fraction: float = 0.5
-    early_warning: bool | str = True
-
-    @classmethod
-    def of(cls, guard: object) -> Settings:
-        """The settings of `guard` now: its attributes of the same names."""
-        return cls(**{f.name: getattr(guard, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
@@ -104,7 +74,7 @@ class FitState:
 def start_fit(
     fit: int,
     net: keras.Model,
-    settings: Settings,
+    settings: Arguments,
     processes: tuple[int, int] = (0, 1),
 ) -> FitState:
     """The state of fit number `fit` of `net`, which begins now on this

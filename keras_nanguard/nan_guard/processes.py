@@ -13,15 +13,16 @@ Process 0 alone writes the report and the snapshot files.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import zlib
+from collections.abc import Mapping
+from typing import Any
 
 from keras_nanguard._backend import current as backend
 
 # Settings a process may hold for itself: what it reads (its own replay
-# data), where process 0 alone writes.
-_OWN = ("directory", "replay")
+# data), where process 0 alone writes, what it prints.
+_OWN = ("directory", "replay", "report_path", "verbose")
 
 
 def processes() -> tuple[int, int]:
@@ -51,20 +52,19 @@ def check_engine(count: int) -> None:
         )
 
 
-def check_same_settings(settings: object) -> None:
+def check_same_settings(settings: Mapping[str, Any]) -> None:
     """Raises the same ValueError on every process if the processes' guards
     differ in a setting that decides (all but `_OWN`); a collective."""
-    fields = [f.name for f in dataclasses.fields(settings)]  # type: ignore[arg-type]
-    names = [n for n in fields if n not in _OWN]
+    names = [n for n in settings if n not in _OWN]
     digests = [
-        zlib.crc32(json.dumps(getattr(settings, n), default=repr).encode()) & 0x7FFFFFFF
+        zlib.crc32(json.dumps(settings[n], default=repr).encode()) & 0x7FFFFFFF
         for n in names
     ]
     gathered = backend.gather_ints(digests)
     differ = [n for i, n in enumerate(names) if len({g[i] for g in gathered}) > 1]
     if differ:
         index, _ = processes()
-        mine = ", ".join(f"{n}={getattr(settings, n)!r}" for n in differ)
+        mine = ", ".join(f"{n}={settings[n]!r}" for n in differ)
         raise ValueError(
             "NaNGuard takes each decision on every process at the same step, "
             "so every process's guard needs the same settings; the processes' "

@@ -8,15 +8,16 @@ import keras
 import numpy as np
 
 
-def check(data: Any) -> Any:
-    """`data` if `batches` can read it: `None`, a `keras.utils.PyDataset`,
-    `(x, y)` arrays of one length, or `x` alone (sliceable, with a length)."""
+def check(name: str, data: Any) -> Any:
+    """`data`, given as the argument `name`, if `batches` can read it: `None`,
+    a `keras.utils.PyDataset`, `(x, y)` arrays of one length, or `x` alone
+    (sliceable, with a length)."""
     if data is None or isinstance(data, keras.utils.PyDataset):
         return data
     pair = isinstance(data, tuple | list)
     message = (
-        "`replay` must be `(x, y)` arrays, `x` alone, a keras.utils.PyDataset "
-        f"or None. Received: replay={data!r:.200}"
+        f"`{name}` must be `(x, y)` arrays, `x` alone, a keras.utils.PyDataset "
+        f"or None. Received: {name}={data!r:.200}"
     )
     if pair and len(data) != 2:
         raise ValueError(message)
@@ -24,7 +25,7 @@ def check(data: Any) -> Any:
         raise TypeError(message)
     if pair and len(data[0]) != len(data[1]):
         raise ValueError(
-            "`replay` must be `(x, y)` arrays of the same length. Received: "
+            f"`{name}` must be `(x, y)` arrays of the same length. Received: "
             f"len(x)={len(data[0])}, len(y)={len(data[1])}"
         )
     return data

@@ -15,13 +15,14 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from keras_nanguard import snapshots
+from keras_nanguard._arguments import Arguments
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.incidents import Incident, diagnose_batch
 from keras_nanguard.nan_guard import learning_rate as _learning_rate
 from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard.batch_watch import Event
-from keras_nanguard.nan_guard.fit_state import FitState, Settings
+from keras_nanguard.nan_guard.fit_state import FitState
 from keras_nanguard.nan_guard.incident_log import IncidentLog
 from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
 from keras_nanguard.nan_guard.snapshotting import Snapshotter
@@ -37,7 +38,7 @@ class Responses:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: Arguments,
         state: FitState,
         log: IncidentLog,
         keeper: SnapshotKeeper,

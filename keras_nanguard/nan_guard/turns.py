@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_nanguard import snapshots
+from keras_nanguard._arguments import Arguments
 from keras_nanguard.incidents import QuarantinedRow
 from keras_nanguard.nan_guard import replay as _replay
 from keras_nanguard.nan_guard.batch_watch import Event
 from keras_nanguard.nan_guard.figures import is_loss, nonfinite_validation
-from keras_nanguard.nan_guard.fit_state import FitState, Settings
+from keras_nanguard.nan_guard.fit_state import FitState
 from keras_nanguard.nan_guard.flight_watch import FlightWatch
 from keras_nanguard.nan_guard.incident_log import IncidentLog, rejected_words
 from keras_nanguard.nan_guard.responses import Responses
@@ -40,7 +41,7 @@ class Turns:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: Arguments,
         state: FitState,
         log: IncidentLog,
         snapshotter: Snapshotter,
@@ -55,7 +56,7 @@ class Turns:
     @classmethod
     def for_fit(
         cls,
-        settings: Settings,
+        settings: Arguments,
         state: FitState,
         log: IncidentLog,
         keeper: SnapshotKeeper,

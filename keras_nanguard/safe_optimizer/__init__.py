@@ -5,7 +5,7 @@ of this folder are private:
 
 - `optimizer`: the `keras.optimizers.Optimizer` subclass users see, made of
   the typed parts below, which it holds and delegates to.
-- `settings`: `Settings`, its arguments, checked once (frozen).
+  Its arguments are declared once, in its signature (`_arguments`).
 - `counters`: `Counters`, a dataclass of the counters (named device
   variables): their creation (the saved layout), updates and reports.
 - `step`: `Transaction`, one step as a transaction (decide, update, check,
@@ -14,10 +14,10 @@ of this folder are private:
   `transaction`, `stateless_commit`), with `forward_state` (what the forward
   pass writes) and `loss_scaling` (a `LossScaleOptimizer` around the
   wrapper).
-- `attributes`: the optimizer's attributes over its parts (settings read
+- `attributes`: the optimizer's attributes over its parts (arguments read
   and set, counters read).
-- `spike_window`: the gradient-norm spike rule; `inner`: checks of the
-  wrapped optimizer; `file_layouts`: files of earlier versions;
+- `spike_window`: the gradient-norm spike rule; `inner`: the wrapped optimizer
+  and the arguments' checks against it; `file_layouts`: files of earlier versions;
   `step_ops`: small tensor operations of the step.
 """
 

@@ -1,4 +1,4 @@
-"""SafeOptimizer's attributes over its parts: its settings (`Settings`),
+"""SafeOptimizer's attributes over its parts: its arguments (`Arguments`),
 read and set on the optimizer, and its counters (`Counters`), read on it."""
 
 from __future__ import annotations
@@ -9,32 +9,30 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 import keras
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._arguments import Arguments
 from keras_nanguard.safe_optimizer.counters import Counters
-from keras_nanguard.safe_optimizer.settings import Settings
 
 
 class _Owner(Protocol):
     """What the descriptors need of the optimizer they are attributes of."""
 
-    _settings: Settings
+    _settings: Arguments
     inner_optimizer: keras.optimizers.Optimizer
 
-    def _configure(self, settings: Settings) -> None: ...
+    def _configure(self, settings: Arguments) -> None: ...
 
 
 T = TypeVar("T")
 
 
 class SettingAttribute(Generic[T]):
-    """An argument of SafeOptimizer, read and set on it (see `Settings`):
-    setting one hands new `Settings` to the optimizer's parts. A `fixed`
-    one makes variables when the optimizer is built and is only read."""
+    """An argument of SafeOptimizer, read and set on it: setting one hands
+    new `Arguments`, checked again, to the optimizer's parts. A `fixed` one
+    decides what the optimizer is made of and is only read."""
 
-    def __init__(self, fixed: bool = False) -> None:
-        self._fixed = fixed
-
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __init__(self, name: str, fixed: bool = False) -> None:
         self._name = name
+        self._fixed = fixed
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> SettingAttribute[T]: ...

@@ -19,12 +19,12 @@ import keras
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._arguments import Arguments
 from keras_nanguard._host_device import host_view
 from keras_nanguard.errors import NonFiniteError
 from keras_nanguard.flight.recorder import Reason
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer import step_ops
-from keras_nanguard.safe_optimizer.settings import Settings
 
 # `recent_rejections` holds the outcomes of the last `RECENT_STEPS` steps.
 RECENT_STEPS = 30
@@ -254,13 +254,13 @@ class Counters:
         default=None,
         metadata=_window("The last spike's threshold and 90th percentile."),
     )
-    settings: Settings = field(kw_only=True, metadata={"setting": True})
+    settings: Arguments = field(kw_only=True, metadata={"setting": True})
     """What the updates and reports need of the optimizer's arguments."""
 
     # --------------------------------------------------------------- creation
     @classmethod
     def create(
-        cls, optimizer: keras.optimizers.Optimizer, settings: Settings
+        cls, optimizer: keras.optimizers.Optimizer, settings: Arguments
     ) -> Counters:
         """The counters as new variables of `optimizer`, in field order, then
         the spike window when `settings` has a `spike_factor`."""

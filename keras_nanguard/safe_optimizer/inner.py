@@ -8,6 +8,9 @@ from typing import Any, Protocol
 
 import keras
 
+from keras_nanguard._arguments import Arguments
+from keras_nanguard.safe_optimizer.adaptive_clip import MAX_UPDATE_RATIO
+
 
 class _Wrapper(Protocol):
     """What `forwarded` needs of the wrapper (a SafeOptimizer): its inner
@@ -102,6 +105,51 @@ def check_clipping(inner: keras.optimizers.Optimizer, clipnorm: float | None) ->
             "turns every gradient into NaN when the norm is not finite. "
             f"Received: clipnorm={clipnorm} and inner optimizer {inner_clip}"
         )
+
+
+def check_with_inner(
+    settings: Arguments, inner: keras.optimizers.Optimizer
+) -> dict[str, Any] | None:
+    """Raises what `settings` cannot do with the optimizer `inner`: clip
+    twice, back off a schedule, grade steps the inner optimizer sums, or
+    bound and reset without the graded handling."""
+    check_clipping(inner, settings.clipnorm)
+    if settings.lr_backoff is not None and not isinstance(
+        inner.learning_rate, keras.Variable
+    ):
+        raise ValueError(
+            "`lr_backoff` needs the inner optimizer's learning rate to "
+            "be a float, not a schedule or a callable. Received: "
+            f"learning_rate={inner._learning_rate!r}"
+        )
+    clip, ratio, resets = (
+        settings.clip,
+        settings.max_update_ratio,
+        settings.reset_moments,
+    )
+    bound = ratio not in (None, MAX_UPDATE_RATIO)  # None: no bound, the same
+    if clip is None and (bound or resets is not None):
+        given = "max_update_ratio" if bound else "reset_moments"
+        raise ValueError(
+            f'`{given}` is part of the graded handling: set `clip="adaptive"` '
+            f"too. Received: clip=None, {given}="
+            f"{ratio if given == 'max_update_ratio' else resets!r}"
+        )
+    if clip is not None and inner.gradient_accumulation_steps:
+        raise ValueError(
+            '`clip="adaptive"` decides on each batch\'s gradients, and with '
+            "gradient accumulation the inner optimizer applies their sum every "
+            "few batches. Use `clipnorm` with gradient accumulation. Received: "
+            f"gradient_accumulation_steps={inner.gradient_accumulation_steps}"
+        )
+    if resets is not None and (inner.use_ema or inner.gradient_accumulation_steps):
+        raise ValueError(
+            "`reset_moments` resets every variable of the inner optimizer but "
+            "its step count and learning rate, which would wipe its weight "
+            "averages (`use_ema`) too. Received: reset_moments="
+            f"{resets}, use_ema={inner.use_ema}"
+        )
+    return None
 
 
 def resolve_inner(optimizer: Any, wrapper: type) -> keras.optimizers.Optimizer:

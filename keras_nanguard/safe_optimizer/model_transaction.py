@@ -15,6 +15,7 @@ import keras
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._arguments import Arguments
 from keras_nanguard._backend import current as backend
 from keras_nanguard.flight.recorder import FlightRecorder
 from keras_nanguard.safe_optimizer import loss_scaling, on_batch, step_ops
@@ -28,7 +29,6 @@ from keras_nanguard.safe_optimizer.forward_state import (
     select,
 )
 from keras_nanguard.safe_optimizer.quarantine import Quarantine
-from keras_nanguard.safe_optimizer.settings import Settings
 
 # Log figures held as finite codes (`_kernels.to_finite`), whose code for
 # "none" (inf) is logged as 0: a log value must stay finite (NaNGuard takes a
@@ -57,7 +57,7 @@ class ModelTransaction:
         self,
         optimizer: keras.optimizers.Optimizer,
         counters: Counters,
-        settings: Settings,
+        settings: Arguments,
         recorder: FlightRecorder | None = None,
     ) -> None:
         self.optimizer = optimizer

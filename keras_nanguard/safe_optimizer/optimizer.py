@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import keras
 import numpy as np
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._arguments import Arguments, ArgumentSpec, Check
 from keras_nanguard._backend import current as backend
-from keras_nanguard._validation import check_bool, check_in, check_int
+from keras_nanguard._validation import (
+    check_bool,
+    check_choice,
+    check_in,
+    check_int,
+    check_positive,
+)
 from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.flight.recorder import PROBE_EVERY, FlightRecorder
 from keras_nanguard.safe_optimizer import adaptive_clip, step_ops
@@ -25,14 +33,18 @@ from keras_nanguard.safe_optimizer.counters import (
     Counters,
     variable_names,
 )
-from keras_nanguard.safe_optimizer.inner import forwarded, refuse_unknown, resolve_inner
+from keras_nanguard.safe_optimizer.inner import (
+    check_with_inner,
+    forwarded,
+    refuse_unknown,
+    resolve_inner,
+)
 from keras_nanguard.safe_optimizer.model_transaction import ModelTransaction
 from keras_nanguard.safe_optimizer.quarantine import (
     Quarantine,
     QuarantinedBatch,
     reasons,
 )
-from keras_nanguard.safe_optimizer.settings import Settings
 from keras_nanguard.safe_optimizer.step import Transaction
 
 
@@ -166,18 +178,6 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     loss_scale_factor = forwarded("loss_scale_factor")
     gradient_accumulation_steps = forwarded("gradient_accumulation_steps")
 
-    # The arguments, as given (checked); see `Settings`.
-    clipnorm = SettingAttribute[float | None]()
-    lr_backoff = SettingAttribute[float | None]()
-    lr_recovery_steps = SettingAttribute[int]()
-    min_lr_scale = SettingAttribute[float]()
-    max_consecutive_skips = SettingAttribute[int | None]()
-    spike_factor = SettingAttribute[float | None]()
-    spike_window = SettingAttribute[int]()
-    clip = SettingAttribute[str | None](fixed=True)
-    max_update_ratio = SettingAttribute[float | None]()
-    reset_moments = SettingAttribute[int | None](fixed=True)
-
     # The counters (the README has the table), then the spike window's
     # variables (with `spike_factor`); see `Counters`.
     skipped_steps = CounterAttribute()
@@ -234,36 +234,41 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self,
         optimizer: keras.optimizers.Optimizer | str,
         *,
-        clipnorm: float | None = None,
-        lr_backoff: float | None = None,
-        lr_recovery_steps: int = 100,
-        min_lr_scale: float = 1e-3,
-        max_consecutive_skips: int | None = None,
-        spike_factor: float | None = None,
-        spike_window: int = 128,
-        clip: str | None = None,
-        max_update_ratio: float | None = MAX_UPDATE_RATIO,
-        reset_moments: int | None = None,
-        probe_every: int = PROBE_EVERY,
-        flight_recorder: bool = True,
+        # Each argument's one declaration: type, check, default; the
+        # attributes of these names and `get_config` are made from them.
+        clipnorm: Annotated[
+            float | None, Check(check_positive, allow_none=True)
+        ] = None,
+        lr_backoff: Annotated[
+            float | None, Check(check_in, 0, 1, closed_high=False, allow_none=True)
+        ] = None,
+        lr_recovery_steps: Annotated[int, Check(check_int, 1)] = 100,
+        min_lr_scale: Annotated[float, Check(check_in, 0, 1, closed_high=True)] = 1e-3,
+        max_consecutive_skips: Annotated[
+            int | None, Check(check_int, 1, allow_none=True)
+        ] = None,
+        spike_factor: Annotated[
+            float | None,
+            Check(check_in, 1, math.inf, closed_high=False, allow_none=True),
+        ] = None,
+        spike_window: Annotated[int, Check(check_int, 2)] = 128,
+        clip: Annotated[
+            str | None, Check(check_choice, ("adaptive",), allow_none=True, fixed=True)
+        ] = None,
+        max_update_ratio: Annotated[
+            float | None, Check(check_positive, allow_none=True)
+        ] = MAX_UPDATE_RATIO,
+        reset_moments: Annotated[
+            int | None, Check(check_int, 1, allow_none=True, fixed=True)
+        ] = None,
+        probe_every: Annotated[int, Check(check_int, 1, fixed=True)] = PROBE_EVERY,
+        flight_recorder: Annotated[bool, Check(check_bool, fixed=True)] = True,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
         inner = resolve_inner(optimizer, SafeOptimizer)
         refuse_unknown(kwargs, inner)
-        settings = Settings.checked(
-            inner,
-            clipnorm=clipnorm,
-            lr_backoff=lr_backoff,
-            lr_recovery_steps=lr_recovery_steps,
-            min_lr_scale=min_lr_scale,
-            max_consecutive_skips=max_consecutive_skips,
-            spike_factor=spike_factor,
-            spike_window=spike_window,
-            clip=clip,
-            max_update_ratio=max_update_ratio,
-            reset_moments=reset_moments,
-        )
+        settings = ARGUMENTS.checked(locals(), inner)  # the names above
         super().__init__(learning_rate=0.0, name=name)
         # The base class made an `iteration` and a `learning_rate` variable;
         # the wrapper uses the inner optimizer's, so they are not state.
@@ -273,8 +278,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         # the counters' variables are tracked by `add_variable`).
         self._settings = settings
         self._counters = Counters.create(self, settings)
-        self._recorder = FlightRecorder(check_int("probe_every", probe_every, 1))
-        self._recording = check_bool("flight_recorder", flight_recorder)
+        self._recorder = FlightRecorder(settings.probe_every)
+        self._recording = settings.flight_recorder
         recorder = self._recorder if self._recording else None
         self._transaction = Transaction(inner, self._counters, settings, recorder)
         self._model_transaction = ModelTransaction(
@@ -283,7 +288,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         # A custom loop's batch under quarantine, counted by the next `apply`.
         self._quarantined_batch: QuarantinedBatch | None = None
 
-    def _configure(self, settings: Settings) -> None:
+    def _configure(self, settings: Arguments) -> None:
         """Hands `settings` to the optimizer and its parts."""
         state = self._clip_state
         if state is not None and settings.max_update_ratio is not None:
@@ -313,7 +318,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         if self._recording and self._recorder.ring is None:  # after the window
             self._recorder.build(self, var_list)
         settings = self._settings
-        if settings.adaptive and self._transaction.clip_state is None:
+        if settings.clip == "adaptive" and self._transaction.clip_state is None:
             self._transaction.clip_state = ClipState.create(
                 self, len(var_list), settings.clipnorm, settings.max_update_ratio
             )
@@ -951,23 +956,11 @@ class SafeOptimizer(keras.optimizers.Optimizer):
 
     # -------------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
-        settings = self._settings
         return {
             "attached": self._model_transaction.saved_as_attached(),
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "clipnorm": settings.clipnorm,
-            "lr_backoff": settings.lr_backoff,
-            "lr_recovery_steps": settings.lr_recovery_steps,
-            "min_lr_scale": settings.min_lr_scale,
-            "max_consecutive_skips": settings.max_consecutive_skips,
-            "spike_factor": settings.spike_factor,
-            "spike_window": settings.spike_window,
-            "clip": settings.clip,
-            "max_update_ratio": settings.max_update_ratio,
-            "reset_moments": settings.reset_moments,
-            "probe_every": self._recorder.probe_every,
-            "flight_recorder": self._recording,
+            **self._settings,
         }
 
     @classmethod
@@ -983,6 +976,13 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         optimizer = cls(inner, **config)
         optimizer._model_transaction.expects_attach = bool(attached)
         return optimizer
+
+
+ARGUMENTS = ArgumentSpec(SafeOptimizer.__init__, check_with_inner)
+for _name in ARGUMENTS.names:  # read, and set where not fixed, on the optimizer
+    setattr(
+        SafeOptimizer, _name, SettingAttribute(_name, ARGUMENTS.checks[_name].fixed)
+    )
 
 
 # ------------------------------------------------------------------ helpers

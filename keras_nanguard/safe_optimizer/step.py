@@ -18,12 +18,12 @@ import keras
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard._arguments import Arguments
 from keras_nanguard._backend import current as backend
 from keras_nanguard.flight.recorder import FlightRecorder
 from keras_nanguard.safe_optimizer import adaptive_clip, step_ops
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from keras_nanguard.safe_optimizer.counters import Counters, StepOutcome
-from keras_nanguard.safe_optimizer.settings import Settings
 
 # Clips a gradient list: its clipped copy.
 Clip = Callable[[list[Any]], list[Any]]
@@ -58,7 +58,7 @@ class Transaction:
         self,
         inner: keras.optimizers.Optimizer,
         counters: Counters,
-        settings: Settings,
+        settings: Arguments,
         recorder: FlightRecorder | None = None,
     ) -> None:
         self.inner = inner
