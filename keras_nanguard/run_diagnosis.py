@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from keras_nanguard.flight import reading as _explain
+from keras_nanguard.flight import reading
 from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.nan_guard import NaNGuard
@@ -26,11 +26,11 @@ def explain(source: object) -> RunDiagnosis:
     Run diagnosis: healthy (nothing is wrong).
     """
     if isinstance(source, FlightRecord):
-        return _explain.explain(source)
+        return reading.diagnose_run(source)
     if isinstance(source, NaNGuard):
         return source.explain()
     if isinstance(source, SafeOptimizer):
-        return _explain.explain(source.flight_record())
+        return reading.diagnose_run(source.flight_record())
     raise TypeError(
         "`source` must be a SafeOptimizer, a NaNGuard or a FlightRecord. "
         f"Received: source={source!r} of type {type(source).__name__}"

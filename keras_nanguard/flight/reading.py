@@ -1,8 +1,8 @@
-"""Why a run diverged, from its flight record: `explain` and `warning`.
+"""Why a run diverged, from its flight record: `diagnose_run` and `warning`.
 
 Each cause of `RUN_CAUSES` has a decisive signal, an *onset* threshold (where
 the signal has begun to drift) and a *warning* threshold (where the run is
-predicted to fail). `explain` names the cause of a run that went wrong (a
+predicted to fail). `diagnose_run` names the cause of a run that went wrong (a
 rejected step), or whose trajectory predicts it will; `warning` is the same
 reading made during training, on what has been recorded so far, before any
 step went wrong. Both are pure functions of the record: they never touch the
@@ -51,7 +51,7 @@ from keras_nanguard.flight.recorder import (
     Reason,
 )
 
-#: The run-level causes `explain` names: cause -> what it means.
+#: The run-level causes `diagnose_run` names: cause -> what it means.
 RUN_CAUSES: dict[str, str] = {
     "learning_rate_too_high": (
         "the updates are too large for the weights: the update-to-weight "
@@ -86,7 +86,7 @@ RUN_CAUSES: dict[str, str] = {
     "healthy": "nothing is wrong",
 }
 
-HINTS: dict[str, list[str]] = {
+RUN_HINTS: dict[str, list[str]] = {
     "learning_rate_too_high": [
         "Lower the learning rate (or the warm-up's peak) 3-10x; the update-to-"
         "weight ratio should stay near 1e-3.",
@@ -576,7 +576,7 @@ def first_bad_step(record: FlightRecord) -> int | None:
     return _first(record.column("step"), rejected)
 
 
-def explain(record: FlightRecord) -> RunDiagnosis:
+def diagnose_run(record: FlightRecord) -> RunDiagnosis:
     """The run diagnosis of `record` (see the module).
 
     Every rule is read; the cause is the one whose signal drifted first,
@@ -587,12 +587,12 @@ def explain(record: FlightRecord) -> RunDiagnosis:
     Example:
 
     >>> import keras, keras_nanguard as ng
-    >>> from keras_nanguard.flight import explain
+    >>> from keras_nanguard.flight import diagnose_run
     >>> opt = ng.SafeOptimizer(keras.optimizers.SGD(0.001))
     >>> opt.build([keras.Variable([1.0])])
     >>> for g in (1.0, float("nan")):
     ...     opt.apply([keras.ops.convert_to_tensor([g])])
-    >>> found = explain(opt.flight_record())
+    >>> found = diagnose_run(opt.flight_record())
     >>> (found.cause, found.first_bad_step)
     ('bad_data', 2)
     """
@@ -665,7 +665,7 @@ def _of_fits(fits: list[tuple], bad: int | None) -> RunDiagnosis:
         if other not in SYMPTOMS and other_onset == onset:
             found.candidates.append(other)
             found.evidence += other_evidence
-            found.hints += [h for h in HINTS[other] if h not in found.hints]
+            found.hints += [h for h in RUN_HINTS[other] if h not in found.hints]
         else:
             found.consequences += other_evidence
     if found.candidates:
@@ -720,21 +720,23 @@ def warning(record: FlightRecord) -> RunDiagnosis | None:
     failed yet), else None."""
     if first_bad_step(record) is not None or not len(record):
         return None
-    found = explain(record)
+    found = diagnose_run(record)
     if found.cause == "healthy":
         return None
     found.at_step = int(record.column("step")[-1])
     return found
 
 
-def explain_warned(record: FlightRecord, given: RunDiagnosis | None) -> RunDiagnosis:
-    """`explain(record)` for a run that was warned with `given` (None: it
+def diagnose_warned_run(
+    record: FlightRecord, given: RunDiagnosis | None
+) -> RunDiagnosis:
+    """`diagnose_run(record)` for a run that was warned with `given` (None: it
     was not): a run that has not failed keeps the cause it was warned of,
     from the evidence then, and what the record says since is what followed
     (the warning and the explanation never name two causes for the same
     trajectory); a run that failed is explained from the whole record, with
     the warning's step and lead."""
-    found = explain(record)
+    found = diagnose_run(record)
     if given is None:
         return found
     if found.first_bad_step is not None:
@@ -762,6 +764,6 @@ def _diagnosis(
         bad,
         steps,
         list(evidence or []),
-        list(HINTS[cause]),
+        list(RUN_HINTS[cause]),
         signal,
     )

@@ -1,5 +1,6 @@
 """NaNGuard's batch-end side: reads a batch's logs, keeps the figures and
-queues what needs the model.
+queues what needs the model; with the epoch's figures without the bad
+batches (`EpochFigures`) and the loss-spike rule (`Spike`, `Blowup`).
 
 It runs where Keras runs `on_train_batch_end`: in Keras's callback worker
 threads on JAX and PyTorch (the logs already Python numbers), on the
@@ -12,19 +13,13 @@ Whatever needs the model is queued as an `Event` for the training thread
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import math
+import statistics
 import time
 from typing import Any, NamedTuple
 
-from keras_nanguard.nan_guard.figures import EpochFigures, is_loss, nonfinite
-from keras_nanguard.nan_guard.loss_spikes import (
-    BatchLosses,
-    Blowup,
-    LossBlowup,
-    LossSpikes,
-    Spike,
-)
 from keras_nanguard.safe_optimizer.counters import RECENT_STEPS
 
 REJECTED = "nanguard_rejected_steps"
@@ -333,3 +328,314 @@ def watch_for_fit(
     if spike_sigma is not None:
         spikes = LossSpikes(spike_sigma, spike_window, spike_patience)
     return BatchWatch(rejected, consecutive, spikes, overflows, quarantined)
+
+
+# An epoch's loss and metrics without the batches NaNGuard leaves out.
+
+
+class EpochFigures:
+    """Keras logs running means over the batches since its metric states were
+    last reset (`since_reset` of them). To leave a batch out of a figure,
+    the figure is *tainted* (its running mean includes that batch) until the
+    states are reset: reported figures are then the batch-weighted mean of
+    `prefix` (the parts folded at earlier resets) and `segment` (the last
+    running mean kept since the last reset): exact for mean metrics with
+    equal batch sizes.
+
+    A batch may be left out of some figures only (a non-finite metric with a
+    finite loss), so each figure has its own parts. A figure with no kept
+    batch at all is left out of the logs, as Keras leaves out `val_*`
+    figures in an epoch it did not validate.
+    """
+
+    def __init__(self) -> None:
+        self.prefix: dict[str, tuple[float, int]] = {}  # name: (mean, batches)
+        self.segment: dict[str, tuple[float, int]] = {}
+        self.tainted: set[str] = set()
+        self.since_reset = 0  # batches in Keras's running means
+
+    def add(
+        self, logs: dict, counted: int, leave_out: list[str] | bool = False
+    ) -> None:
+        """One execution's logs. `counted`: its batches that Keras's metric
+        states hold (a step rejected by an attached SafeOptimizer is not
+        counted there); `leave_out`: the figures to leave it out of (`True`:
+        all). `logs` then show the figures without the left-out batches (a
+        figure with nothing kept yet is removed)."""
+        self.since_reset += counted
+        for key, value in logs.items():
+            if not is_metric(key, value):
+                continue
+            if leave_out is True or key in (leave_out or ()):
+                self.tainted.add(key)
+            elif key not in self.tainted:
+                self.segment[key] = (float(value), self.since_reset)
+        self._show(logs)
+
+    def reset(self) -> None:
+        """Keras's metric states were reset (before the batch now seen)."""
+        for key, part in self.segment.items():
+            self._fold(key, *part)
+        self.segment, self.tainted, self.since_reset = {}, set(), 0
+
+    def finish(self, logs: dict) -> None:
+        """The epoch-end logs (Keras's, from its states) without the left-out
+        batches; a training figure with no kept batch is removed."""
+        for key, value in logs.items():
+            train = is_metric(key, value) and not key.startswith("val_")
+            if train and key not in self.tainted:
+                self.segment[key] = (float(value), self.since_reset)
+        self._show(logs, train_only=True)
+
+    def _fold(self, key: str, mean: float, n: int) -> None:
+        if n:
+            self.prefix[key] = _mean(self.prefix.get(key, (0.0, 0)), (mean, n))
+
+    def _show(self, logs: dict, train_only: bool = False) -> None:
+        for key in [k for k, v in logs.items() if is_metric(k, v)]:
+            if train_only and key.startswith("val_"):
+                continue
+            mean, n = _mean(
+                self.prefix.get(key, (0.0, 0)), self.segment.get(key, (0.0, 0))
+            )
+            if n:
+                logs[key] = mean
+            else:  # nothing kept: no figure rather than NaN
+                del logs[key]
+
+
+def _mean(a: tuple[float, int], b: tuple[float, int]) -> tuple[float, int]:
+    """Batch-weighted mean of two running means, and the batches in it."""
+    (mean_a, n_a), (mean_b, n_b) = a, b
+    if n_a == 0:
+        return mean_b, n_b
+    if n_b == 0:
+        return mean_a, n_a
+    return (mean_a * n_a + mean_b * n_b) / (n_a + n_b), n_a + n_b
+
+
+def is_metric(key: str, value: Any) -> bool:
+    if key.startswith("nanguard_"):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def nonfinite(value: Any) -> bool:
+    try:
+        return not math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def is_loss(key: str) -> bool:
+    """Whether a log key is a loss (`loss`, or an output's `..._loss`)."""
+    return key == "loss" or key.endswith("_loss")
+
+
+def nonfinite_validation(logs: dict[str, Any]) -> str | None:
+    """The detail of a `nonfinite_validation` incident: the epoch's
+    non-finite `val_` figures, with the weights finite; `None` if none."""
+    bad = sorted(k for k, v in logs.items() if k.startswith("val_") and nonfinite(v))
+    if not bad:
+        return None
+    shown = ", ".join(f"{k}={logs[k]}" for k in bad)
+    return (
+        f"non-finite {shown} at the end of the epoch. The weights are finite: "
+        "the validation data or the model's outputs on it are not."
+    )
+
+
+# Finite loss trouble for NaNGuard's batch-end side: Python floats only.
+#
+# Keras logs the loss as a running mean over the batches since its metric
+# states were last reset; a batch's own loss is recovered from two
+# consecutive running means, `n·m_n - (n-1)·m_{n-1}` (`BatchLosses`; per
+# batch: exact for equal batch sizes; a smaller last batch is pulled toward
+# the mean, which can only weaken its signal, never raise a false alarm).
+#
+# Two rules read those losses. `LossSpikes` (with `loss_spike_sigma`, off by
+# default): a loss many standard deviations above its rolling mean.
+# `LossBlowup` (always on): a finite loss `BLOWUP_FACTOR` times the run's
+# early level (the median of its first `BLOWUP_WINDOW` healthy batch losses)
+# proves no snapshot; after a rollback, `BLOWUP_PATIENCE` steps of it in a
+# row are trouble. A run whose rate a rollback could not lower (a schedule)
+# climbs to a loss of 1e20 before its first NaN and blows up again after it
+# without one: its snapshots were proven by batches of finite but ruinous
+# loss, and `fit` returned a model with a loss of 1e9 and said nothing.
+# Before any rollback a loss that high is not trouble: a healthy run's loss
+# may rise far above its early level (a reinforcement-learning agent whose
+# returns grow); it only leaves the rollback point where it was.
+
+# A loss this many times the run's early level ...
+BLOWUP_FACTOR = 1000.0
+# ... for this many steps in a row after a rollback is a blow-up.
+BLOWUP_PATIENCE = 3
+# The early level: the median of the fit's first healthy batch losses.
+BLOWUP_WINDOW = 100
+
+
+class BatchLosses:
+    """Each execution's own loss, from Keras's running means of it."""
+
+    def __init__(self) -> None:
+        self._mean: float | None = None  # Keras's last running mean of the loss
+
+    def segment_reset(self) -> None:
+        """Keras's running means restart (a new epoch, or a metrics reset)."""
+        self._mean = None
+
+    def batch_loss(self, raw: object, before: int, counted: int) -> float | None:
+        """The mean loss of the `counted` batches just folded into Keras's
+        running mean `raw` (which held `before` batches), if recoverable."""
+        prev, self._mean = self._mean, _float(raw)
+        if counted <= 0 or self._mean is None:
+            return None
+        if before == 0:
+            return self._mean
+        if prev is None:
+            return None
+        return ((before + counted) * self._mean - before * prev) / counted
+
+
+@dataclasses.dataclass
+class Spike:
+    """A confirmed loss spike: what triggered it, in figures."""
+
+    step: int  # the first step of the streak
+    steps: int  # the steps in the streak
+    loss: float  # the last batch loss of the streak
+    mean: float  # the rolling mean and standard deviation it was above
+    std: float
+    window: int  # the healthy batches the statistics cover
+
+    def describe(self, sigma: float) -> str:
+        return (
+            f"the batch loss stayed more than {sigma:g} standard deviations "
+            f"above its rolling mean for {self.steps} steps in a row "
+            f"(last loss {self.loss:.4g}, mean {self.mean:.4g}, "
+            f"std {self.std:.3g}, over the last {self.window} healthy batches)."
+        )
+
+
+@dataclasses.dataclass
+class Blowup:
+    """A confirmed blow-up of the loss after a rollback, in figures."""
+
+    step: int  # the first step of the streak
+    steps: int  # the steps in the streak
+    loss: float  # the last batch loss of the streak
+    level: float  # the run's early level
+
+    def describe(self) -> str:
+        return (
+            f"after a rollback the batch loss stayed above {BLOWUP_FACTOR:g} "
+            f"times the run's early level for {self.steps} steps in a row "
+            f"(last loss {self.loss:.4g}, level {self.level:.4g}, the median "
+            "of its first healthy batches): finite, but the run has blown up "
+            "again."
+        )
+
+
+class LossBlowup:
+    """The loss's early level, and the open streak of losses far above it
+    (see the module)."""
+
+    def __init__(self) -> None:
+        # The first healthy batch losses of the fit: the run's level.
+        self.early: list[float] = []
+        self._level: float | None = None  # the level, once `early` is full
+        self.armed = False  # after a rollback
+        self.streak_from: int | None = None  # first step of the open streak
+        self.streak = 0
+
+    @property
+    def level(self) -> float | None:
+        if self._level is None and self.early:
+            level = statistics.median(self.early)
+            if len(self.early) < BLOWUP_WINDOW:
+                return level
+            self._level = level  # the window is full: fixed from now on
+        return self._level
+
+    def arm(self) -> None:
+        """A rollback: from now on a streak of ruinous losses is trouble."""
+        self.armed = True
+        self.streak_from, self.streak = None, 0
+
+    def see(self, loss: float | None, step: int, steps: int) -> Blowup | bool:
+        """Feeds a healthy execution's loss. Returns a `Blowup` when a streak
+        reaches `BLOWUP_PATIENCE` steps after a rollback; `True` when the
+        loss proves nothing: `BLOWUP_FACTOR` times the level or more (never
+        a snapshot's proof, armed or not), or a streak is open."""
+        if loss is None:
+            return self.streak_from is not None
+        level = loss if self.level is None else self.level
+        if loss < BLOWUP_FACTOR * max(level, 1e-12):
+            if len(self.early) < BLOWUP_WINDOW:  # a ruinous one is not the level
+                self.early.append(loss)
+            self.streak_from, self.streak = None, 0
+            return False
+        if not self.armed:
+            return True  # ruinous but, before any trouble, not trouble
+        if self.streak_from is None:
+            self.streak_from = step
+        self.streak += steps
+        if self.streak < BLOWUP_PATIENCE:
+            return True
+        found = Blowup(self.streak_from, self.streak, loss, level)
+        self.streak_from, self.streak = None, 0
+        return found
+
+
+class LossSpikes:
+    """Rolling statistics of healthy batch losses, and the open streak
+    (with `loss_spike_sigma`)."""
+
+    def __init__(self, sigma: float, window: int, patience: int) -> None:
+        self.sigma, self.patience, self.window = sigma, patience, window
+        self.losses: collections.deque[float] = collections.deque(maxlen=window)
+        self.streak_from: int | None = None  # first step of the open streak
+        self.streak = 0
+
+    def see(self, loss: float | None, step: int, steps: int) -> Spike | bool:
+        """Feeds a healthy execution's loss. Returns a `Spike` when a streak
+        reaches `patience` steps, `True` while a streak is open, else `False`."""
+        if loss is None:
+            return self.streak_from is not None
+        n = len(self.losses)
+        if n < self.window:  # not armed until the window is full
+            self.losses.append(loss)
+            return False
+        mean = sum(self.losses) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.losses) / n)
+        if loss <= mean + self.sigma * std:
+            self.streak_from, self.streak = None, 0
+            self.losses.append(loss)
+            return False
+        if self.streak_from is None:
+            self.streak_from = step
+        self.streak += steps
+        if self.streak < self.patience:
+            return True
+        spike = Spike(self.streak_from, self.streak, loss, mean, std, n)
+        self.clear()
+        return spike
+
+    def clear(self) -> None:
+        """Forgets the streak and the window: the statistics start afresh
+        (after a rollback, the state is the one before the spike, but the
+        learning rate may differ)."""
+        self.losses.clear()
+        self.streak_from, self.streak = None, 0
+
+
+def _float(value: object) -> float | None:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None

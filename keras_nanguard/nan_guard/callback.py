@@ -2,8 +2,8 @@
 
 The hooks live here; what they do is in NaNGuard's parts (see this
 folder's `__init__`), which the guard holds: for its life an `IncidentLog`,
-a `SnapshotKeeper` and a `Teller`, and for each `fit` a `FitState` with the
-training thread's `Turns`. Threads: docs/nan_guard.md.
+a `SnapshotKeeper` and a `Notifier`, and for each `fit` a `FitState` with the
+training thread's `Supervisor`. Threads: docs/nan_guard.md.
 """
 
 from __future__ import annotations
@@ -31,17 +31,12 @@ from keras_nanguard._validation import (
 from keras_nanguard.flight.reading import RunDiagnosis
 from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.incidents import Incident, QuarantinedRow, write_json
-from keras_nanguard.nan_guard import learning_rate as _learning_rate
-from keras_nanguard.nan_guard import processes as _processes
-from keras_nanguard.nan_guard import replay as _replay
+from keras_nanguard.nan_guard import fit_state as _fit
+from keras_nanguard.nan_guard import reporting, responses
 from keras_nanguard.nan_guard import runs as _runs
-from keras_nanguard.nan_guard import snapshot_files as _snapshot_io
-from keras_nanguard.nan_guard import telling
-from keras_nanguard.nan_guard.fit_state import start_fit
-from keras_nanguard.nan_guard.flight_watch import FlightWatch
-from keras_nanguard.nan_guard.incident_log import IncidentLog
-from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
-from keras_nanguard.nan_guard.turns import Turns
+from keras_nanguard.nan_guard.reporting import IncidentLog
+from keras_nanguard.nan_guard.snapshotting import SnapshotKeeper
+from keras_nanguard.nan_guard.supervisor import FlightWatch, Supervisor
 
 POLICIES = ("rollback", "stop", "raise", "warn")
 
@@ -198,7 +193,7 @@ class NaNGuard(keras.callbacks.Callback):
         loss_spike_patience: Annotated[int, Check(check_int, 1)] = 3,
         directory: Annotated[str | os.PathLike | None, Check(check_directory)] = None,
         report_path: Annotated[str | os.PathLike | None, Check(check_file_path)] = None,
-        replay: Annotated[Any, Check(_replay.check)] = None,
+        replay: Annotated[Any, Check(responses.check_replay)] = None,
         batch_size: Annotated[int, Check(check_int, 1)] = 32,
         quarantine: Annotated[bool, Check(check_bool)] = False,
         max_quarantine_fraction: Annotated[
@@ -211,12 +206,12 @@ class NaNGuard(keras.callbacks.Callback):
         for name, value in ARGUMENTS.checked(locals()).items():  # the names above
             setattr(self, name, value)
         # What outlives a fit: the incidents, the rollback point and the
-        # counts, what has been told. `_turns`: the fit under way (or the last).
+        # counts, what has been told. `_supervisor`: the fit under way (or the last).
         self._log = IncidentLog()
         self._keeper = SnapshotKeeper()
-        self._teller = telling.Teller()
+        self._notifier = reporting.Notifier()
         self._flight = FlightWatch()  # the flight recorder's record, all fits
-        self._turns: Turns | None = None
+        self._supervisor: Supervisor | None = None
         self._fits = 0
         # Its copies (KerasTuner makes one per trial), or what it is a copy of.
         self.runs: list[NaNGuard] = []
@@ -229,8 +224,8 @@ class NaNGuard(keras.callbacks.Callback):
         """Whether Keras may run `on_train_batch_end` in its worker threads:
         on JAX and torch, in a job of one process (Keras asks when `fit`
         begins). On TensorFlow, and across processes, it stays in line, at
-        the same point of every process's loop (see `processes`)."""
-        return backend.ASYNC_BATCH_END and _processes.processes()[1] == 1
+        the same point of every process's loop (see `fit_state`)."""
+        return backend.ASYNC_BATCH_END and _fit.processes()[1] == 1
 
     # ------------------------------------------------------------ what it keeps
     @property
@@ -281,23 +276,23 @@ class NaNGuard(keras.callbacks.Callback):
         settings = ARGUMENTS.checked({n: getattr(self, n) for n in ARGUMENTS.names})
         check_directory("directory", settings.directory, writable=True)
         check_file_path("report_path", settings.report_path, writable=True)
-        index, count = _processes.processes()
-        _processes.check_engine(count)
+        index, count = _fit.processes()
+        _fit.check_engine(count)
         if count > 1:
-            _processes.check_same_settings(settings)
-        net = self.model  # once: see `FitState.net`
+            _fit.check_same_settings(settings)
+        model = self.model  # once: see `FitState.model`
         if self.policy == "rollback":  # the only policy that lowers the rate
-            said = _learning_rate.schedule_warning(net.optimizer, self.lr_factor)
+            said = responses.schedule_warning(model.optimizer, self.lr_factor)
             if said is not None:
-                telling.warn(said)
-        state = start_fit(self._fits, net, settings, (index, count))
+                reporting.warn(said)
+        state = _fit.start_fit(self._fits, model, settings, (index, count))
         self._fits += 1
         self._keeper.begin_fit()
         self._log.begin_fit()
-        # The first snapshot waits for the first batch begin (`Turns.take`):
+        # The first snapshot waits for the first batch begin (`Supervisor.take`):
         # a callback's `on_train_begin` (`BackupAndRestore`) may still load
         # the state training really starts from, whatever the order.
-        self._turns = Turns.for_fit(
+        self._supervisor = Supervisor.for_fit(
             settings,
             state,
             self._log,
@@ -307,13 +302,13 @@ class NaNGuard(keras.callbacks.Callback):
             self._flight,
         )
 
-    def _current(self) -> Turns:
-        if self._turns is None:
+    def _current(self) -> Supervisor:
+        if self._supervisor is None:
             raise RuntimeError(
                 "NaNGuard's hooks run inside `fit`, after `on_train_begin`. "
                 "Received: a hook called before `on_train_begin`"
             )
-        return self._turns
+        return self._supervisor
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         state = self._current().state
@@ -376,7 +371,7 @@ class NaNGuard(keras.callbacks.Callback):
             self._release()
 
     def _act(self, snapshot: bool = True) -> None:
-        """The training thread's turn (`Turns.take`), then the new incidents
+        """The training thread's turn (`Supervisor.take`), then the new incidents
         told, also when the turn raised."""
         try:
             self._current().take(snapshot)
@@ -388,8 +383,8 @@ class NaNGuard(keras.callbacks.Callback):
         state = self._current().state
         with state.lock:
             next_batch = state.watch.next_batch
-        bar = telling.bar_open(state.in_epoch, next_batch, self.params)
-        self._teller.tell(self.incidents, self.verbose, bar)
+        bar = reporting.bar_open(state.in_epoch, next_batch, self.params)
+        self._notifier.tell(self.incidents, self.verbose, bar)
 
     def _publish(self, logs: dict) -> None:
         state = self._current().state
@@ -397,10 +392,10 @@ class NaNGuard(keras.callbacks.Callback):
         if state.safe is not None:  # an attached step logs its own, exactly
             with state.lock:
                 rejected = state.watch.rejected
-        telling.publish(logs, len(self.incidents), self.rollbacks, rejected)
+        reporting.publish(logs, len(self.incidents), self.rollbacks, rejected)
 
     def _write_report(self) -> None:
-        if self.report_path is not None and _processes.processes()[0] == 0:
+        if self.report_path is not None and _fit.processes()[0] == 0:
             write_json(self.report_path, self.report())
         if self.origin is not None:  # the runs together, in the origin's
             self.origin._write_report()
@@ -414,11 +409,11 @@ class NaNGuard(keras.callbacks.Callback):
         >>> ng.NaNGuard().report()["incidents"]
         []
         """
-        out = telling.report(self.policy, self.rollbacks, self.incidents, self.runs)
+        out = reporting.report(self.policy, self.rollbacks, self.incidents, self.runs)
         if self.quarantine or self.quarantined:
             out["quarantined"] = [r.to_dict() for r in self.quarantined]
         if self._flight.record is not None and len(self._flight.record):
-            out["run_diagnosis"] = self._flight.explain().to_dict()
+            out["run_diagnosis"] = self._flight.diagnosis().to_dict()
         return out
 
     @property
@@ -439,10 +434,10 @@ class NaNGuard(keras.callbacks.Callback):
         >>> ng.NaNGuard().explain().cause  # no fit yet: nothing recorded
         'unknown'
         """
-        turns = self._turns
+        turns = self._supervisor
         if turns is not None and turns.state.safe is not None:
             self._flight.read(turns.state)
-        return self._flight.explain()
+        return self._flight.diagnosis()
 
     def summary(self) -> str:
         """The incidents in words, one per line.
@@ -453,10 +448,10 @@ class NaNGuard(keras.callbacks.Callback):
         >>> ng.NaNGuard().summary()
         'NaNGuard: no incidents.'
         """
-        text = telling.summary(self.incidents, self.rollbacks, self.runs)
+        text = reporting.summary(self.incidents, self.rollbacks, self.runs)
         if self._flight.record is None or not len(self._flight.record):
             return text
-        return text + "\n" + str(self._flight.explain())
+        return text + "\n" + str(self._flight.diagnosis())
 
     # ------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict[int, Any]) -> NaNGuard:
@@ -483,7 +478,7 @@ class NaNGuard(keras.callbacks.Callback):
         keeps every run, and a search must not keep every trial's model with
         it. Its incidents, report and files stay."""
         self._keeper.release()
-        self._turns = None
+        self._supervisor = None
         self.set_model(None)
 
     # ------------------------------------------------------------ files, config
@@ -504,7 +499,7 @@ class NaNGuard(keras.callbacks.Callback):
         >>> # after fit(..., callbacks=[ng.NaNGuard(directory="ckpt")]):
         >>> # step = ng.NaNGuard.restore(model, "ckpt")
         """
-        return _snapshot_io.load_into(model, directory).step
+        return snapshots.load_into(model, directory).step
 
     def get_config(self) -> dict[str, Any]:
         # Every argument but `replay` (data, not configuration).

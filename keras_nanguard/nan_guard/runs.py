@@ -41,7 +41,7 @@ import keras
 from keras_nanguard.incidents import Incident
 
 # NaNGuard's own counters in the logs stay as they are (`is_metric`).
-from keras_nanguard.nan_guard.figures import is_metric
+from keras_nanguard.nan_guard.batch_watch import is_metric
 from keras_nanguard.nan_guard.fit_state import FitState
 from keras_nanguard.snapshots import Snapshot
 
@@ -86,7 +86,7 @@ def epoch_end(
     epochs.ends.append((state.now, [k for k, v in logs.items() if _figure(k, v)]))
     if not state.stopping or point is None:
         return
-    history = getattr(state.net, "history", None)  # set by History each epoch
+    history = getattr(state.model, "history", None)  # set by History each epoch
     figures = history.history if isinstance(history, keras.callbacks.History) else {}
     marked = _set_to_nan(epochs.ends, point.step, logs, figures)
     first = state.epoch - len(epochs.ends) + 1  # the epoch of `epochs.ends[0]`

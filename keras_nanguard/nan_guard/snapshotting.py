@@ -1,8 +1,9 @@
-"""NaNGuard's snapshots on the model's side: taking them, proving them,
-restoring the rollback point and writing it to `directory`.
+"""NaNGuard's snapshots: taking them, proving them, restoring the rollback
+point and writing it to `directory` (`Snapshotter`), and which snapshot
+is the rollback point (`SnapshotKeeper`).
 
-It reads and changes the model, so it runs on the training thread only; the
-bookkeeping (which snapshot is the rollback point) is `SnapshotKeeper`'s.
+The snapshotter reads and changes the model, so it runs on the training
+thread only.
 A non-finite state it finds is returned to the caller, which records the
 incident and acts on the trouble (`Responses`).
 """
@@ -14,13 +15,12 @@ import time
 
 from keras_nanguard import snapshots
 from keras_nanguard.errors import NonFiniteError
-from keras_nanguard.nan_guard import snapshot_files
 from keras_nanguard.nan_guard.fit_state import FitState
-from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
+from keras_nanguard.snapshots import Snapshot
 
 
 class Snapshotter:
-    """Snapshots of `state.net` into `keeper`, written to `directory` (if
+    """Snapshots of `state.model` into `keeper`, written to `directory` (if
     not `None`) whenever one becomes the rollback point."""
 
     def __init__(
@@ -33,9 +33,9 @@ class Snapshotter:
         with `verify`, its finiteness is read at once, else when it is
         promoted (`promote`)."""
         state = self.state
-        snapshots.sync_from_device(state.net)
+        snapshots.sync_from_device(state.model)
         snap, bad = snapshots.capture(
-            state.net, epoch=state.epoch, step=state.now, into=self.keeper.reusable()
+            state.model, epoch=state.epoch, step=state.now, into=self.keeper.reusable()
         )
         if snap is not None and verify:
             bad = snapshots.verify(snap)
@@ -99,15 +99,15 @@ class Snapshotter:
         if self.directory is None:
             return 0.0
         start = time.perf_counter()
-        net = self.state.net
-        snapshots.sync_from_device(net)
-        snap.learning_rate = snapshots.learning_rate(net)
+        model = self.state.model
+        snapshots.sync_from_device(model)
+        snap.learning_rate = snapshots.learning_rate(model)
         if self.state.process == 0:
             snapshots.save(snap, self.directory)
-            snapshot_files.save_weights_file(net, snap, self.directory)
+            snapshots.save_weights_file(model, snap, self.directory)
         else:
             with tempfile.TemporaryDirectory() as scratch:
-                snapshot_files.save_weights_file(net, snap, scratch)
+                snapshots.save_weights_file(model, snap, scratch)
         return time.perf_counter() - start
 
     def restore(self) -> None:
@@ -115,20 +115,20 @@ class Snapshotter:
         state, point = self.state, self.keeper.point
         if point is None:
             raise RuntimeError("NaNGuard: no rollback point to restore.")
-        snapshots.sync_from_device(state.net)
-        snapshots.restore(state.net, point)
+        snapshots.sync_from_device(state.model)
+        snapshots.restore(state.model, point)
         state.restored_at = state.now
 
     def start(self) -> None:
         """Takes the first snapshot, once the model has its variables."""
         state = self.state
         state.started = True
-        optimizer = state.net.optimizer
+        optimizer = state.model.optimizer
         # As Keras builds it before a JAX or torch `fit`; not the one a
         # model with optimizers of its own (a GAN's) left unused.
-        alone = len(snapshots.model_optimizers(state.net)) == 1
+        alone = len(snapshots.model_optimizers(state.model)) == 1
         if optimizer is not None and not optimizer.built and alone:
-            optimizer.build(state.net.trainable_variables)
+            optimizer.build(state.model.trainable_variables)
         snap, bad = self.capture(verify=True)
         if snap is not None and state.now == 0:  # the state training starts from
             self.keep(snap)
@@ -170,3 +170,104 @@ class Snapshotter:
             self.keep_final_state()
         elif self.keeper.point is not None:  # the state is the point's
             self.save(self.keeper.point)
+
+
+# The rollback point, and the snapshots waiting to become it.
+#
+# A new snapshot is *pending* until a batch that ran after it is healthy, so
+# that a finite but ruinous update is not kept as "good" before its damage
+# shows. Pending snapshots wait, oldest first, at most `MAX_PENDING` of them
+# (the batch ends run behind). A healthy step proves every pending snapshot
+# taken at or before it; the newest of them becomes the rollback point, the
+# older ones are let go. A snapshot that is let go lends its buffers (the
+# *spare*) to the next one taken, but the rollback point's are never
+# overwritten.
+
+# Snapshots waiting for a healthy batch (the batch ends run behind).
+MAX_PENDING = 3
+
+
+class SnapshotKeeper:
+    """Which snapshot NaNGuard would roll back to, and how often it did.
+
+    Bookkeeping only: it never reads the model (`Snapshotter` captures,
+    verifies and writes the snapshots). A guard keeps one for its life:
+    the rollback point, the spare buffers and the counts outlive a `fit`.
+    """
+
+    def __init__(self) -> None:
+        self.point: Snapshot | None = None  # the rollback point
+        self.pendings: list[Snapshot] = []  # oldest first
+        self.spare: Snapshot | None = None  # buffers a new snapshot may reuse
+        self.kept = 0  # snapshots made the rollback point, in all fits
+        self.rollbacks = 0  # rollbacks, in all fits
+        self.rollbacks_since = 0  # rollbacks since the rollback point was kept
+
+    def begin_fit(self) -> None:
+        """A new `fit`: the last one's rollback point only lends its buffers
+        (the state may have changed since: it is no rollback point now)."""
+        self.spare = self.point or self.spare
+        self.point, self.pendings = None, []
+        self.rollbacks_since = 0
+
+    def reusable(self) -> Snapshot | None:
+        """Hands out the spare buffers (never the rollback point's), once."""
+        spare, self.spare = self.spare, None
+        return spare
+
+    def has_room(self) -> bool:
+        """Whether another snapshot may wait to be proven."""
+        return len(self.pendings) < MAX_PENDING
+
+    def add(self, snap: Snapshot) -> None:
+        """`snap` waits for a healthy batch after it."""
+        self.pendings.append(snap)
+
+    def pending_at(self, step: int) -> Snapshot | None:
+        """The newest pending snapshot, if it was taken at `step`."""
+        if self.pendings and self.pendings[-1].step == step:
+            return self.pendings[-1]
+        return None
+
+    def drop_pending(self) -> None:
+        """Trouble came before a healthy batch proved them: the pending
+        snapshots are let go (the newest lends its buffers)."""
+        if self.pendings:
+            self.spare = self.pendings[-1]
+        self.pendings = []
+
+    def proven(self, healthy: int) -> Snapshot | None:
+        """Takes out the pending snapshots that a healthy step at `healthy`
+        ran after, and returns the newest of them (`None` if none), which
+        the caller verifies and then `keep`s or `reject`s."""
+        proven = [p for p in self.pendings if p.step <= healthy]
+        if not proven:
+            return None
+        self.pendings = [p for p in self.pendings if p.step > healthy]
+        return proven[-1]
+
+    def reject(self, snap: Snapshot) -> None:
+        """`snap` was found non-finite: only its buffers are of use."""
+        self.spare = snap
+
+    def keep(self, snap: Snapshot) -> None:
+        """Makes `snap` the rollback point; the one before lends its buffers."""
+        if self.point is not None and self.point is not snap:
+            self.spare = self.point
+        self.point = snap
+        self.pendings = [p for p in self.pendings if p is not snap]
+        self.kept += 1
+        self.rollbacks_since = 0
+
+    def may_roll_back(self, patience: int) -> bool:
+        """Whether another rollback is allowed: fewer than `patience` since
+        the rollback point was kept."""
+        return self.rollbacks_since < patience
+
+    def rolled_back(self) -> None:
+        self.rollbacks += 1
+        self.rollbacks_since += 1
+
+    def release(self) -> None:
+        """Lets every snapshot go (a finished copy's, see `runs`)."""
+        self.point, self.pendings, self.spare = None, [], None

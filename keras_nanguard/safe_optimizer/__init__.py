@@ -8,7 +8,7 @@ of this folder are private:
   Its arguments are declared once, in its signature (`_arguments`).
 - `counters`: `Counters`, a dataclass of the counters (named device
   variables): their creation (the saved layout), updates and reports.
-- `step`: `Transaction`, one step as a transaction (decide, update, check,
+- `step`: `GuardedStep`, one step as a transaction (decide, update, check,
   commit or roll back); `tf.distribute` is `_backend/tensorflow.py`'s.
 - `model_transaction`: `ModelTransaction`, the model's side (`attach`,
   `transaction`, `stateless_commit`), with `forward_state` (what the forward

@@ -45,7 +45,7 @@ from keras_nanguard.safe_optimizer.quarantine import (
     QuarantinedBatch,
     reasons,
 )
-from keras_nanguard.safe_optimizer.step import Transaction
+from keras_nanguard.safe_optimizer.step import GuardedStep
 
 
 @keras.saving.register_keras_serializable(package="keras_nanguard")
@@ -281,7 +281,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         self._recorder = FlightRecorder(settings.probe_every)
         self._recording = settings.flight_recorder
         recorder = self._recorder if self._recording else None
-        self._transaction = Transaction(inner, self._counters, settings, recorder)
+        self._step = GuardedStep(inner, self._counters, settings, recorder)
         self._model_transaction = ModelTransaction(
             self, self._counters, settings, recorder
         )
@@ -308,18 +308,18 @@ class SafeOptimizer(keras.optimizers.Optimizer):
             )
         self._settings = settings
         self._counters.settings = settings
-        self._transaction.settings = settings
+        self._step.settings = settings
         self._model_transaction.settings = settings
 
     # ----------------------------------------------------------------- state
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         var_list = list(var_list)
-        self._transaction.build(var_list)  # the inner optimizer's build too
+        self._step.build(var_list)  # the inner optimizer's build too
         if self._recording and self._recorder.ring is None:  # after the window
             self._recorder.build(self, var_list)
         settings = self._settings
-        if settings.clip == "adaptive" and self._transaction.clip_state is None:
-            self._transaction.clip_state = ClipState.create(
+        if settings.clip == "adaptive" and self._step.clip_state is None:
+            self._step.clip_state = ClipState.create(
                 self, len(var_list), settings.clipnorm, settings.max_update_ratio
             )
         # Not super().build(): it reads the forwarded `use_ema` and
@@ -446,7 +446,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"len(trainable_variables)={len(variables)}"
             )
         self._model_transaction.step_begins(variables)
-        self._transaction.apply(grads, variables)
+        self._step.apply(grads, variables)
         batch, self._quarantined_batch = self._quarantined_batch, None
         if batch is not None:
             self._count_quarantined(batch)
@@ -731,7 +731,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     @property
     def _clip_state(self) -> ClipState | None:
         """The graded handling's variables (`clip="adaptive"`, once built)."""
-        return self._transaction.clip_state
+        return self._step.clip_state
 
     def _clip_variables(self) -> list[keras.Variable]:
         state = self._clip_state

@@ -1,6 +1,6 @@
 """SafeOptimizer's step: decide, update, check, commit or roll back.
 
-`Transaction` is the machinery behind `SafeOptimizer.apply`, kept apart from
+`GuardedStep` is the machinery behind `SafeOptimizer.apply`, kept apart from
 the public face: which variables a call shape checks (`plan`), the
 transaction itself, and the inner optimizer's settings for the length of a
 step (`tf.distribute` is `_backend/tensorflow.py`'s `run_step`). It writes
@@ -43,7 +43,7 @@ class Plan(NamedTuple):
     moments: list[int]  # positions in `state` of the inner optimizer's moments
 
 
-class Transaction:
+class GuardedStep:
     """The step of `SafeOptimizer` (see there for what it guarantees).
 
     Args:

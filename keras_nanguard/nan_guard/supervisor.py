@@ -1,5 +1,6 @@
-"""The training thread's turn: what NaNGuard makes of what the batch ends
-found.
+"""The training thread's side (`Supervisor`): what NaNGuard makes of what
+the batch ends found, at each of its turns; with the flight recorder's
+record read for the early warning and the run diagnosis (`FlightWatch`).
 
 At each batch begin, at a batch end that Keras calls on the training thread
 and at an epoch's end, the training thread takes the events the batch-end
@@ -21,22 +22,21 @@ from typing import Any
 
 from keras_nanguard import snapshots
 from keras_nanguard._arguments import Arguments
+from keras_nanguard.flight import reading
+from keras_nanguard.flight.reading import RunDiagnosis
+from keras_nanguard.flight.record import FlightRecord
 from keras_nanguard.incidents import QuarantinedRow
-from keras_nanguard.nan_guard import replay as _replay
-from keras_nanguard.nan_guard.batch_watch import Event
-from keras_nanguard.nan_guard.figures import is_loss, nonfinite_validation
+from keras_nanguard.nan_guard.batch_watch import Event, is_loss, nonfinite_validation
 from keras_nanguard.nan_guard.fit_state import FitState
-from keras_nanguard.nan_guard.flight_watch import FlightWatch
-from keras_nanguard.nan_guard.incident_log import IncidentLog, rejected_words
-from keras_nanguard.nan_guard.responses import Responses
-from keras_nanguard.nan_guard.snapshot_keeper import SnapshotKeeper
-from keras_nanguard.nan_guard.snapshotting import Snapshotter
+from keras_nanguard.nan_guard.reporting import IncidentLog, rejected_words
+from keras_nanguard.nan_guard.responses import Responses, replay_positions
+from keras_nanguard.nan_guard.snapshotting import SnapshotKeeper, Snapshotter
 from keras_nanguard.safe_optimizer.forward_state import is_built
 
 _IN_SNAPSHOT = "found while taking a snapshot."
 
 
-class Turns:
+class Supervisor:
     """The training thread's turns in one `fit`, on `state`."""
 
     def __init__(
@@ -63,7 +63,7 @@ class Turns:
         report: Callable[[], dict[str, Any]],
         write_report: Callable[[], None],
         flight: FlightWatch | None = None,
-    ) -> Turns:
+    ) -> Supervisor:
         """The turns of a fit, with the parts they act through (see
         `Responses` for `report` and `write_report`)."""
         snapshotter = Snapshotter(state, keeper, settings.directory)
@@ -85,11 +85,11 @@ class Turns:
         # make their variables at their first step.
         if (
             not state.started
-            and is_built(state.net)
-            and not snapshots.unbuilt_optimizers(state.net)
+            and is_built(state.model)
+            and not snapshots.unbuilt_optimizers(state.model)
         ):
             if state.safe is not None and self.settings.quarantine:
-                snapshots.sync_from_device(state.net)
+                snapshots.sync_from_device(state.model)
                 state.quarantine_base = int(state.safe.counters()["quarantine_steps"])
             self.snapshotter.start()
         # A healthy batch after the pending snapshot proves it, even if a
@@ -150,9 +150,9 @@ class Turns:
             self._on_bad_figures(ev)
 
     def _on_bad_figures(self, ev: Event) -> None:
-        net = self.state.net
-        snapshots.sync_from_device(net)
-        variables = snapshots.nonfinite_names(net)
+        model = self.state.model
+        snapshots.sync_from_device(model)
+        variables = snapshots.nonfinite_names(model)
         if self.log.extend(ev):  # the same episode: is the state bad again?
             inc = self.log.open
             assert inc is not None  # `extend` extends the open incident
@@ -197,12 +197,12 @@ class Turns:
         state, safe = self.state, self.state.safe
         assert safe is not None and ev.quarantined is not None
         since, until = ev.quarantined
-        snapshots.sync_from_device(state.net)
+        snapshots.sync_from_device(state.model)
         named = []
         for number, row, why in safe.quarantined_rows(since, until):
             step = number - state.quarantine_base - 1  # this fit's step
             named.append((step, ev.batch + (step - ev.step), row, why))
-        where = _replay.positions(
+        where = replay_positions(
             self.settings.replay, self.settings.batch_size, [n[1:3] for n in named]
         )
         rows = [
@@ -220,7 +220,7 @@ class Turns:
         if self.log.extend(ev, "halted" if halted else None):
             self.log.count_rejections(ev.rejections)
         else:
-            snapshots.sync_from_device(self.state.net)
+            snapshots.sync_from_device(self.state.model)
             c = safe.counters()
             words = rejected_words(ev.rejections, ev.step, ev.steps)
             detail = f"{words}: {safe.describe_last_rejection()}; nothing was applied."
@@ -249,7 +249,7 @@ class Turns:
         if not (force or due):
             return
         start = time.perf_counter()
-        snapshots.sync_from_device(state.net)
+        snapshots.sync_from_device(state.model)
         c = state.safe.counters()
         total = int(c["skipped_steps"])
         since = state.checked_at + 1
@@ -284,7 +284,7 @@ class Turns:
             if found is not None:
                 # Rows read earlier: the state (a rate to lower) is made
                 # current again.
-                snapshots.sync_from_device(self.state.net)
+                snapshots.sync_from_device(self.state.model)
                 self.responses.divergence_warning(found)
 
     # ------------------------------------------------------------ epoch's end
@@ -318,3 +318,110 @@ class Turns:
 def _describe_logs(logs: dict[str, Any], bad: list[str]) -> str:
     shown = ", ".join(f"{k}={logs[k]}" for k in bad)
     return f"non-finite {shown} in this batch."
+
+
+# NaNGuard's reading of SafeOptimizer's flight recorder: the run's record,
+# gathered over its fits, and the early warning.
+#
+# The record is read on the training thread at steps 1, 2, 4, 8, then every
+# `probe_every` steps of the recorder, whenever the recorder's alarm rings (the
+# device decides it every step; the host learns it without waiting, see
+# `FlightRecorder.newest_alarm`), at epoch ends and when asked
+# (`NaNGuard.explain`). A read due during an epoch does not wait for the
+# device: it copies the recorder's variables on the device and starts their
+# copy to the host, and the rows join the record two executions later (when
+# that step has surely run), at the same step on every process; a forced
+# read (epoch end, `explain`) reads at once.
+
+
+class FlightWatch:
+    """The record of the guard's runs and what it predicts."""
+
+    def __init__(self) -> None:
+        self.record: FlightRecord | None = None
+        self.read_at = 0  # `state.now` at the last read in this fit
+        self.warned = False  # this fit's warning was given
+        # The last warning given on this record (None: none).
+        self.given: RunDiagnosis | None = None
+        self._source: int | None = None  # id of the optimizer recorded
+        self.alarm_seen = 0  # the newest alarm step read for
+        self._for_alarm = False  # the read now due is an alarm's
+        self.alarm_reads = 0  # reads the alarm asked for, over the guard's fits
+        # The reads under way: the step each was asked at, and its finish.
+        self._pending: list[tuple[int, Callable[[], FlightRecord]]] = []
+
+    def begin_fit(self, state: FitState) -> None:
+        self.read_at, self.warned, self._pending = 0, False, []
+        if state.safe is not None and id(state.safe) != self._source:
+            self.record, self._source = None, id(state.safe)
+            self.given = None
+
+    def due(self, state: FitState) -> bool:
+        """Whether a read is due: by the cadence, or an alarm the host has
+        not read for yet (polled every turn)."""
+        if state.safe is None or state.now < 1:
+            return False
+        alarm = state.safe._newest_alarm(2)  # polled every turn
+        rang = alarm > self.alarm_seen
+        self.alarm_seen = max(alarm, self.alarm_seen)
+        every = getattr(getattr(state.safe, "_recorder", None), "probe_every", 16)
+        if state.now - self.read_at >= min(every, max(1, self.read_at)):
+            return True  # the cadence's read (it reads for the alarm too)
+        self._for_alarm = rang  # a read besides the cadence, which stays
+        return rang
+
+    def read(self, state: FitState, wait: bool = True) -> bool:
+        """Adds the recorder's rows to the record. With `wait`, a host read
+        now (after the reads under way); without, the read is started and
+        its rows are added by the first `collect` two executions later.
+        Returns whether rows were added."""
+        if state.safe is None or not is_built(state.model):
+            return False
+        snapshots.sync_from_device(state.model)
+        self._pending.append((state.now, state.safe._start_flight_read()))
+        if self._for_alarm:
+            self.alarm_reads += 1
+        else:
+            self.read_at = state.now  # the cadence's last read
+        self._for_alarm = False
+        return self.collect(state, wait)
+
+    def collect(self, state: FitState, wait: bool) -> bool:
+        """Adds the rows of the reads under way that were asked two
+        executions ago or more (all of them with `wait`). Returns whether
+        rows were added."""
+        lag = 2 * max(1, state.k)
+        due = [p for p in self._pending if wait or state.now - p[0] >= lag]
+        if not due:
+            return False
+        self._pending = self._pending[len(due) :]  # in the order asked
+        for _, finish in due:
+            new = finish()
+            if self.record is None or self.record.columns != new.columns:
+                self.record = new
+            else:
+                self.record.add(new.rows)
+        return True
+
+    def warning(self) -> RunDiagnosis | None:
+        """This fit's early warning, once: what the record predicts."""
+        if self.warned or self.record is None:
+            return None
+        found = reading.warning(self.record)
+        self.warned = found is not None
+        if found is not None:
+            self.given = found
+        return found
+
+    def diagnosis(self) -> RunDiagnosis:
+        if self.record is None:
+            return reading.RunDiagnosis(
+                "unknown",
+                evidence=[
+                    "Nothing was recorded: no step of a SafeOptimizer ran "
+                    "under this guard (its flight recorder is what explain "
+                    "reads; compile with ng.SafeOptimizer(optimizer))."
+                ],
+                hints=list(reading.RUN_HINTS["unknown"]),
+            )
+        return reading.diagnose_warned_run(self.record, self.given)
