@@ -37,6 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/
 
 import keras
+from _forced_probe import force_probe
 from bench_quarantine import MODELS, _batch, torch_traffic
 
 import keras_nanguard as ng
@@ -49,7 +50,7 @@ def _compiled(make, recorder: bool, force: bool | None):
     keras.utils.set_random_seed(0)
     model = make()
     opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3), flight_recorder=recorder)
-    opt._recorder.force_probe = force
+    force_probe(opt._recorder, force)
     model.compile(
         optimizer=opt,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -76,6 +76,8 @@ import numpy as np
 from keras import layers, ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _forced_probe import force_probe
+
 import keras_nanguard as ng
 
 BACKEND = keras.backend.backend()
@@ -506,7 +508,7 @@ def plot(summaries: dict, rates: list[float], path: str) -> None:
 
 # =================================================================== cost
 def _cadenced(measure: Callable[[bool | None], tuple], opt: Any) -> tuple:
-    """`measure(force_probe)` at the flight recorder's default cadence, as
+    """`measure(probe)` at the flight recorder's default cadence, as
     BENCHMARKS.md counts it: an ordinary step plus 1/16 of a probe step's
     extra (a SafeOptimizer's compiled step holds both in a `cond`, whose
     branches XLA's cost analysis would add up)."""
@@ -554,7 +556,7 @@ def _step_bytes_jax(task: Task, arm: str) -> tuple[float, float]:
 
     def measure(probe: bool | None) -> tuple[float, float]:
         if probe is not None:
-            opt._recorder.force_probe = probe
+            force_probe(opt._recorder, probe)
         return (
             cost(whole, (0, 1, 2), tv, ntv, ov),
             cost(apply_only, (0, 1), tv, ov, grads),
@@ -589,7 +591,7 @@ def _step_bytes_torch(task: Task, arm: str) -> tuple[float, float]:
 
     def measure(probe: bool | None) -> tuple[float, float]:
         if probe is not None:
-            opt._recorder.force_probe = probe
+            force_probe(opt._recorder, probe)
         moved, reads = traffic(one)
         return float(moved), float(reads)
 

@@ -177,9 +177,6 @@ class FlightRecorder:
         self._eager_probes: list[int] = []  # eager: the last probes' steps
         self._last_probe = False  # eager: whether the last step probed
         self._tables: dict = {}
-        # Every step a probe (True) or none (False), for measuring what
-        # each kind of step costs (benchmarks/bench_flight_recorder.py).
-        self.force_probe: bool | None = None
 
     # ------------------------------------------------------------ creation
     @property
@@ -425,12 +422,16 @@ class FlightRecorder:
         def skip() -> Any:
             return ops.zeros((1 + 2 * n,), "float32") + math.nan
 
-        if self.force_probe is not None:
-            due = self.force_probe
-            self._last_probe = due
+        due = self._probe_due()
+        if isinstance(due, bool):  # known on the host: one branch traced
             return ops.convert_to_tensor(due), measure() if due else skip()
+        return due, ops.cond(due, measure, skip)
+
+    def _probe_due(self) -> Any:
+        """Whether this step probes: a bool where the host knows (while
+        compiling, and in eager steps), else a tensor decided on the device."""
         if backend.compiling():  # every step: a count would recompile
-            return ops.convert_to_tensor(True), measure()
+            return True
         if backend.executing_eagerly(self.steps):
             # By the cadence, or once after an alarm the host heard of that
             # a step without a probe raised (a jump), as compiled steps do.
@@ -440,21 +441,27 @@ class FlightRecorder:
             self._calls += 1
             if due:  # the step numbers of the last probes (steps count from 1)
                 self._eager_probes = [*self._eager_probes, self._calls][-8:]
-            self._last_probe = due
-            return ops.convert_to_tensor(due), measure() if due else skip()
+            self._last_probe = bool(due)
+            return self._last_probe
         # Due by the cadence, or right after an alarm the last step raised
         # without probing (a jump of its gradient norm).
         steps = self.steps.value
         last = ops.mod(steps - 1 + RING_STEPS, RING_STEPS)
         probed = self.ring.value[last, COLUMN["probe"]] > 0
-        due_now = ops.logical_or(
+        return ops.logical_or(
             ops.mod(steps, self.probe_every) == 0,
             ops.logical_and(
                 ops.logical_and(steps > 0, self.alarm.value == steps),
                 ops.logical_not(probed),
             ),
         )
-        return due_now, ops.cond(due_now, measure, skip)
+
+    def _row_probed(self, at: Any) -> Any:
+        """Whether the step recorded in row `at` probed: a bool in eager
+        steps (the last `_probe_due`), else read from the row."""
+        if backend.executing_eagerly(self.steps):
+            return self._last_probe
+        return self.ring.value[at, COLUMN["probe"]] > 0
 
     # ----------------------------------------------------- after the step
     def observe(
@@ -476,16 +483,11 @@ class FlightRecorder:
             return ops.stack([loss_value, nan, nan, nan, nan])
 
         at = ops.mod(self.steps.value - 1, RING_STEPS)
-        if self.force_probe is not None:
-            probe: Any = self.force_probe
-            values = batch_figures() if probe else loss_only()
-            probe = ops.convert_to_tensor(probe)
-        elif backend.executing_eagerly(self.steps):
-            probe = self._last_probe
+        probe = self._row_probed(at)
+        if isinstance(probe, bool):  # known on the host: one branch traced
             values = batch_figures() if probe else loss_only()
             probe = ops.convert_to_tensor(probe)
         else:
-            probe = self.ring.value[at, COLUMN["probe"]] > 0
             values = ops.cond(probe, batch_figures, loss_only)
         low = values[_OBSERVED.index("min_prob")] < PROB_WARN
         self._raise(ops.logical_and(probe, low), self.steps.value)

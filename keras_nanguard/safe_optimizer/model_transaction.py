@@ -18,7 +18,7 @@ from keras_nanguard import _kernels as kernels
 from keras_nanguard._arguments import Arguments
 from keras_nanguard._backend import current as backend
 from keras_nanguard.flight.recorder import FlightRecorder
-from keras_nanguard.safe_optimizer import loss_scaling, on_batch, step_ops
+from keras_nanguard.safe_optimizer import loss_scaling, on_batch, patches, step_ops
 from keras_nanguard.safe_optimizer import observer as observing
 from keras_nanguard.safe_optimizer.counters import Counters
 from keras_nanguard.safe_optimizer.forward_state import (
@@ -96,8 +96,7 @@ class ModelTransaction:
                 f"Received: model={model!r} of type {type(model).__name__}"
             )
         self._check_is_optimizer_of(model)
-        step = model.train_step
-        attached = getattr(step, "_nanguard_optimizer", None) is self.optimizer
+        attached = patches.owner_of(model, "train_step") is self.optimizer
         if attached and quarantine is self.quarantine:
             return
         self.observer.unwrap(model)  # outermost: off before the quarantine's
@@ -109,29 +108,22 @@ class ModelTransaction:
         self.observer.wrap(model)
         # A new step function, not the same one reading other settings: JAX
         # would reuse what it compiled for the old one.
-        original = getattr(step, "_nanguard_original", step)
+        original = patches.original_of(model, "train_step")
         train_step = self._guarded_step(model, original)
-        train_step._nanguard_optimizer = self.optimizer  # type: ignore[attr-defined]
-        train_step._nanguard_original = original  # type: ignore[attr-defined]
-        model.train_step = train_step
+        patches.patch(model, "train_step", train_step, self.optimizer, original)
         on_batch.wrap(model, self.raw_logs)
         self.attached = True
         _remake_train_function(model)
 
     def detach(self, model: keras.Model) -> None:
         """Undoes `attach` (`SafeOptimizer.detach`)."""
-        step: Any = getattr(model, "train_step", None)
-        if getattr(step, "_nanguard_optimizer", None) is not self.optimizer:
+        if patches.owner_of(model, "train_step") is not self.optimizer:
             return
         self.observer.unwrap(model)
         if self.quarantine is not None:
             self.quarantine.unwrap(model)
             self.quarantine = None
-        original = step._nanguard_original
-        if _is_class_step(model, original):
-            del model.train_step  # the class's own step again
-        else:
-            model.train_step = original  # a step the user had set
+        patches.unpatch(model, "train_step")  # the class's own or the user's
         on_batch.unwrap(model)
         self.attached = False
         _remake_train_function(model)
@@ -214,7 +206,7 @@ class ModelTransaction:
             try:
                 logs, new_state = original(state, data)
                 if quarantine is not None:
-                    logs, codes, over = quarantine.end(logs)
+                    codes, over = quarantine.end()
             finally:
                 self.in_fit, self.model = False, None
                 outputs = self.observer.end()
@@ -270,7 +262,7 @@ class ModelTransaction:
     ) -> Any:
         """Counts a quarantined step's rows and weighs its loss tracker by the
         healthy ones; its logs without the quarantine's entries."""
-        logs, codes, over = quarantine.end(logs)
+        codes, over = quarantine.end()
         backend.record_rows(self.counters.record_quarantine, codes, over)
         now = [v.value for v in tracker]
         weighed = quarantine.weigh_loss(tracked, now, codes, over)
@@ -544,13 +536,6 @@ def _values_of(values: list[Any], variables: list[Any], found: list[Any]) -> lis
     """The entries of `values` (in `variables` order) of the scalers' state."""
     index = {id(v): i for i, v in enumerate(variables)}
     return [values[index[id(v)]] for v in loss_scaling.state(found)]
-
-
-def _is_class_step(model: keras.Model, step: Any) -> bool:
-    """Whether `step` is `model`'s own `train_step`, of its class."""
-    return getattr(step, "__self__", None) is model and getattr(
-        step, "__func__", None
-    ) is getattr(type(model), "train_step", None)
 
 
 def _remake_train_function(model: keras.Model) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import keras
 from keras import ops
 
-_MARK = "_nanguard_observed"
+from keras_nanguard.safe_optimizer import patches
 
 
 class StepObserver:
@@ -24,7 +24,7 @@ class StepObserver:
     # ------------------------------------------------------------ the model
     def wrap(self, model: keras.Model) -> None:
         """Wraps `model.compute_metrics` (outermost), which sees the outputs."""
-        if getattr(model.compute_metrics, _MARK, None) is self:
+        if patches.owner_of(model, "compute_metrics") is self:
             return
         original = model.compute_metrics
 
@@ -33,22 +33,12 @@ class StepObserver:
                 self._local.outputs = y_pred
             return original(x, y, y_pred, sample_weight)
 
-        setattr(compute_metrics, _MARK, self)
-        compute_metrics._nanguard_wrapped = original  # type: ignore[attr-defined]
-        model.compute_metrics = compute_metrics
+        patches.patch(model, "compute_metrics", compute_metrics, self, original)
 
     def unwrap(self, model: keras.Model) -> None:
         """Undoes `wrap`."""
-        method: Any = getattr(model, "compute_metrics", None)
-        if getattr(method, _MARK, None) is not self:
-            return
-        original = method._nanguard_wrapped
-        if getattr(original, "__self__", None) is model and getattr(
-            original, "__func__", None
-        ) is getattr(type(model), "compute_metrics", None):
-            delattr(model, "compute_metrics")
-        else:
-            model.compute_metrics = original
+        if patches.owner_of(model, "compute_metrics") is self:
+            patches.unpatch(model, "compute_metrics")
 
     # ------------------------------------------------------------ a step
     def begin(self) -> None:

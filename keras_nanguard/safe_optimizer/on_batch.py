@@ -19,7 +19,8 @@ from typing import Any
 
 import keras
 
-_ORIGINAL = "_nanguard_original"
+from keras_nanguard.safe_optimizer import patches
+
 PREFIX = "nanguard_"  # the log entries of keras-nanguard's figures
 
 
@@ -29,7 +30,7 @@ def wrap(
     """Makes `model.train_on_batch` return what Keras's returns: its step
     traced and run inside `raw_logs()`, the `nanguard_*` entries left out
     of its `return_dict=False` result."""
-    original = getattr(model.train_on_batch, _ORIGINAL, model.train_on_batch)
+    original = patches.original_of(model, "train_on_batch")
     # Its own train function, and `fit`'s when it was made: a new one for
     # `fit` (after `compile`, or `attach`) means this one is stale too.
     made: dict[str, Any] = {"own": None, "beside": None}
@@ -63,19 +64,13 @@ def wrap(
         return in_keras_order(model, own)
 
     train_on_batch.__doc__ = original.__doc__
-    setattr(train_on_batch, _ORIGINAL, original)
-    model.train_on_batch = train_on_batch
+    patches.patch(model, "train_on_batch", train_on_batch, wrap, original)
 
 
 def unwrap(model: keras.Model) -> None:
     """Undoes `wrap`."""
-    original: Callable[..., Any] | None = getattr(model.train_on_batch, _ORIGINAL, None)
-    if original is None:
-        return
-    if getattr(original, "__self__", None) is model:
-        delattr(model, "train_on_batch")  # the class's own method again
-    else:
-        model.train_on_batch = original
+    if patches.owner_of(model, "train_on_batch") is wrap:
+        patches.unpatch(model, "train_on_batch")
 
 
 def _metric_names(model: keras.Model) -> list[str]:

@@ -20,8 +20,10 @@ harmless instead, on the device, with no branch and no host read:
 When more than `max_fraction` of a batch is bad, nothing is changed: the step
 runs as without quarantine, and is rejected as a bad step (a broken pipeline,
 not bad rows). What each row was quarantined for is a bit mask per row
-(`INPUT`, `TARGET`, `WEIGHT`, `LOSS`), which the step hands back in its
-logs under `CODES` for the counters (`Counters.record_quarantine`).
+(`INPUT`, `TARGET`, `WEIGHT`, `LOSS`), which `end` hands to the attached
+step for the counters (`Counters.record_quarantine`). What the wrapped
+methods of one step tell each other and `end` goes through one channel:
+the step's `_Rows`, held per thread.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import keras
 from keras import ops
 
 from keras_nanguard._backend import current as backend
+from keras_nanguard.safe_optimizer import patches
 
 # Why a row was quarantined: bits of its code.
 INPUT, TARGET, WEIGHT, LOSS = 1, 2, 4, 8
@@ -44,11 +47,6 @@ REASONS = {
     WEIGHT: "non-finite sample weight",
     LOSS: "non-finite loss",
 }
-# The logs entries a quarantined step hands to the attached step (removed
-# there): each row's code, and whether the batch was over the limit.
-CODES = "_nanguard_quarantine_codes"
-OVER = "_nanguard_quarantine_over"
-
 # Reductions under which scaling the healthy rows' weights by
 # `batch / healthy` gives the mean over the healthy rows ("sum" needs none).
 _SCALED = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -68,6 +66,8 @@ class _Rows:
     # them, for `compute_metrics` to reuse; not on JAX, where `compute_loss`
     # runs under `jax.grad` and its values cannot leave it.
     with_loss: tuple[Any, Any] | None = None
+    # The codes and the limit `compute_metrics` left out, for `end`.
+    found: tuple[Any, Any] | None = None
 
 
 class Quarantine:
@@ -104,18 +104,16 @@ class Quarantine:
         self._rows = _Rows(codes)
         return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
-    def end(self, logs: Any) -> tuple[Any, Any, Any]:
-        """Ends the step: its logs without the quarantine's entries, each
-        row's code and whether the batch was over the limit. Without
-        `compute_metrics` (a `train_step` of the model's own that does not
-        call it), the codes are those of the values alone."""
+    def end(self) -> tuple[Any, Any]:
+        """Ends the step: each row's code and whether the batch was over the
+        limit. Without `compute_metrics` (a `train_step` of the model's own
+        that does not call it), the codes are those of the values alone."""
         rows, self._rows = self._rows, None
         if rows is None:
             raise RuntimeError("`Quarantine.end` without `clean` first.")
-        if isinstance(logs, dict) and CODES in logs:
-            logs = dict(logs)
-            return logs, logs.pop(CODES), logs.pop(OVER)
-        return logs, rows.codes, self._over(rows.codes > 0)
+        if rows.found is not None:
+            return rows.found
+        return rows.codes, self._over(rows.codes > 0)
 
     def abandon(self) -> None:
         """Ends a step that raised."""
@@ -143,26 +141,21 @@ class Quarantine:
         override points) so that quarantined steps leave the bad rows out;
         outside a quarantined step (`evaluate`, `predict`) they are the
         model's own."""
-        if getattr(model.compute_loss, "_nanguard_quarantine", None) is self:
+        if patches.owner_of(model, "compute_loss") is self:
             return
-        loss = _original(model.compute_loss)
-        metrics = _original(model.compute_metrics)
-        model.compute_loss = _marked(self._loss_of(model, loss), loss, self)
-        model.compute_metrics = _marked(self._metrics_of(model, metrics), metrics, self)
+        loss, metrics = (
+            _unquarantined(model, n) for n in ("compute_loss", "compute_metrics")
+        )
+        patches.patch(model, "compute_loss", self._loss_of(model, loss), self, loss)
+        patches.patch(
+            model, "compute_metrics", self._metrics_of(model, metrics), self, metrics
+        )
 
     def unwrap(self, model: keras.Model) -> None:
         """Undoes `wrap`."""
         for name in ("compute_loss", "compute_metrics"):
-            method = getattr(model, name)
-            if getattr(method, "_nanguard_quarantine", None) is not self:
-                continue
-            original = method._nanguard_original
-            if getattr(original, "__self__", None) is model and getattr(
-                original, "__func__", None
-            ) is getattr(type(model), name, None):
-                delattr(model, name)
-            else:
-                setattr(model, name, original)
+            if patches.owner_of(model, name) is self:
+                patches.unpatch(model, name)
 
     def _loss_of(self, model: keras.Model, original: Any) -> Callable[..., Any]:
         takes_training = getattr(model, "_compute_loss_has_training_arg", True)
@@ -195,10 +188,8 @@ class Quarantine:
             y, y_pred, sample_weight = _without_bad_rows(
                 codes, over, y, y_pred, sample_weight, to_healthy_mean=False
             )
-            logs = original(x, y, y_pred, sample_weight)
-            if isinstance(logs, dict):
-                logs = {**logs, CODES: codes, OVER: over}
-            return logs
+            rows.found = (codes, over)
+            return original(x, y, y_pred, sample_weight)
 
         return compute_metrics
 
@@ -542,11 +533,8 @@ def _scales(model: keras.Model) -> bool:
 
 
 # ---------------------------------------------------------------- wrapping
-def _original(method: Any) -> Any:
-    return getattr(method, "_nanguard_original", method)
-
-
-def _marked(wrapper: Any, original: Any, owner: Quarantine) -> Any:
-    wrapper._nanguard_quarantine = owner
-    wrapper._nanguard_original = original
-    return wrapper
+def _unquarantined(model: keras.Model, name: str) -> Any:
+    """`model.<name>` without a quarantine's wrapper (an earlier one's)."""
+    if isinstance(patches.owner_of(model, name), Quarantine):
+        return patches.original_of(model, name)
+    return getattr(model, name)
