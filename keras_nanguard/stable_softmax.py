@@ -60,7 +60,7 @@ class StableSoftmax(keras.layers.Layer):
         inputs: the logits.
         mask: optional bool tensor broadcastable to `inputs`; True = allowed.
 
-    Returns:
+    Call returns:
         Probabilities (or log-probabilities), same shape as `inputs`.
 
     Example:

@@ -1,9 +1,9 @@
 """The programs users copy from Keras's examples (`examples/`), run plain and
-under keras-nanguard as its README says, on the backends each pattern runs
-on: guarded equals plain bit for bit when nothing is rejected, with no
-incident, no warning and a healthy `explain()`; a variant that really goes
-non-finite has every bad step rejected, leaves a model that works (finite
-loss on clean batches) and is explained by its cause."""
+under keras-nanguard as docs/guide/examples.md says, on the backends each
+pattern runs on: guarded equals plain bit for bit when nothing is rejected,
+with no incident, no warning and a healthy `explain()`; a variant that
+really goes non-finite has every bad step rejected, leaves a model that
+works (finite loss on clean batches) and is explained by its cause."""
 
 from __future__ import annotations
 

@@ -161,8 +161,9 @@ def test_config_round_trip(tmp_path):
 
 
 def _warmup_run(callbacks):
-    """The README's explain example with a rollback: a warm-up to 3.0 that a
-    rollback cannot lower (a schedule); the loss blows up again, finite."""
+    """The explain example of docs/guide/explain.md, with a rollback: a
+    warm-up to 3.0 that a rollback cannot lower (a schedule); the loss blows
+    up again, finite."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2048, 8)).astype("float32")

@@ -49,7 +49,7 @@ from keras_nanguard._backend import current as backend
 class Reason(enum.IntEnum):
     """Why a step was rejected: the one vocabulary of the counters
     (`last_rejection`), the flight recorder's `reason` column and the run
-    diagnosis (the README lists them)."""
+    diagnosis (docs/guide/bad_steps.md lists them)."""
 
     NONE = 0  # accepted (the counters: no step rejected yet)
     GRADIENT = 1  # a gradient was not finite

@@ -266,7 +266,8 @@ def check_engine(count: int) -> None:
                 else "MultiWorkerMirroredStrategy"
             )
             + " train in your own loop with `ng.SafeOptimizer`, which takes the "
-            "same decision on every process (README, 'Many processes'). "
+            "same decision on every process (docs/guide/distributed.md, "
+            "'Many processes'). "
             f"Received: {count} processes on the {backend.NAME} backend"
         )
 

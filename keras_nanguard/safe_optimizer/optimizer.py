@@ -70,9 +70,9 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     `opt.stateless_commit(...)` in a JAX stateless loop.
 
     Counters are scalar optimizer variables, saved with the optimizer
-    (`skipped_steps`, `spike_steps`, `last_grad_norm`, ...; the README has
-    the table): read one with `int(opt.skipped_steps)`, all at once with
-    `counters()`, the last rejection in words with
+    (`skipped_steps`, `spike_steps`, `last_grad_norm`, ...; the table is in
+    docs/guide/bad_steps.md): read one with `int(opt.skipped_steps)`, all at
+    once with `counters()`, the last rejection in words with
     `describe_last_rejection()`.
 
     Everything else of `keras.optimizers.Optimizer` (`learning_rate` and
@@ -178,8 +178,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     loss_scale_factor = forwarded("loss_scale_factor")
     gradient_accumulation_steps = forwarded("gradient_accumulation_steps")
 
-    # The counters (the README has the table), then the spike window's
-    # variables (with `spike_factor`); see `Counters`.
+    # The counters (docs/guide/bad_steps.md has the table), then the spike
+    # window's variables (with `spike_factor`); see `Counters`.
     skipped_steps = CounterAttribute()
     consecutive_skips = CounterAttribute()
     nonfinite_gradient_steps = CounterAttribute()
@@ -470,8 +470,8 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 "The quarantined batch's rows were last seen by `batch.loss` "
                 "under `jax.grad`, whose values cannot leave it: return "
                 "`batch.codes` from the loss function (as aux) and set "
-                "`batch.codes = codes` before `stateless_apply` (README, "
-                "'Per-sample quarantine')."
+                "`batch.codes = codes` before `stateless_apply` "
+                "(docs/guide/quarantine.md, 'Custom loops')."
             ) from err
 
     def _variables_to_update(
@@ -531,8 +531,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         bad the step is left whole and rejected as before (a broken
         pipeline, not bad rows). Layers that mix the rows of a batch
         (BatchNormalization's batch statistics) see each bad row replaced by
-        a copy of a healthy one. The README's "Per-sample quarantine" says
-        what it covers.
+        a copy of a healthy one. What it covers: docs/guide/quarantine.md.
 
         Args:
             model: the `keras.Model` this optimizer trains.
@@ -774,7 +773,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         `max_quarantine_fraction` of the rows bad the batch is left whole
         and the step is rejected. In a JAX stateless loop, return
         `batch.codes` from under `jax.grad` and set it on the batch before
-        `stateless_apply` (the README shows the three loops).
+        `stateless_apply` (docs/guide/quarantine.md shows the three loops).
 
         Args:
             x: the batch's inputs (a tensor or a structure of tensors).

@@ -309,7 +309,9 @@ class QuarantinedBatch:
     on the healthy rows. The optimizer's next `apply` counts its rows.
 
     Args:
-        x, y, sample_weight: the batch as the user gave it.
+        x: the batch's inputs, as the user gave them.
+        y: its targets (or `None`).
+        sample_weight: its sample weights (or `None`).
         max_fraction: above this fraction of bad rows it is left whole.
     """
 
