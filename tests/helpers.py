@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 from keras import ops
 
 from tests.conftest import BACKEND  # noqa: F401  (re-exported for tests)
+
+#: Files saved by earlier versions, which must keep loading (CONTRIBUTING.md).
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 # The NaNGuard tests' task: two features decide a binary label.
 BINARY_LOSS = keras.losses.BinaryCrossentropy(from_logits=True)

@@ -14,14 +14,13 @@ import keras_nanguard as ng
 from tests.helpers import (
     BACKEND,
     BINARY_LOSS,
+    FIXTURES,
     FLIGHT_NAMES,
     all_finite,
     assert_bit_identical,
     binary_data,
     numpy,
 )
-
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 spe = pytest.mark.skipif(
     BACKEND == "torch", reason="Keras needs steps_per_execution=1 on torch"

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import BACKEND
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 sys.path.insert(0, NOTEBOOKS)
 

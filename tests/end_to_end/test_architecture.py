@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.backend_free
 
 PACKAGE = "keras_nanguard"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 
 def _module_name(path: Path) -> str:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from tests.helpers import FLIGHT_NAMES, assert_bit_identical, numpy
+from tests.helpers import FIXTURES, FLIGHT_NAMES, assert_bit_identical, numpy
 
 
 def _data():
@@ -157,7 +157,7 @@ def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     """A file saved by 0.1.0 (tests/fixtures/make_0_1_fixture.py): its
     optimizer held the base class's `iteration` and `learning_rate`, 11
     counters, then Adam's variables; no spike window."""
-    fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
+    fixtures = FIXTURES
     expected = np.load(os.path.join(fixtures, "safe_optimizer_0_1_expected.npz"))
     expected = [expected[f"arr_{i}"] for i in range(len(expected.files))]
     model = keras.saving.load_model(os.path.join(fixtures, "safe_optimizer_0_1.keras"))
