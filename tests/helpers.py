@@ -24,21 +24,6 @@ def binary_data(n: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def mse_model(optimizer, seed: int | None = None) -> keras.Model:
-    """A compiled 6-8-1 ReLU regressor (MSE); `seed` sets Keras's seed first."""
-    if seed is not None:
-        keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
-
-
 def fit_quietly(model, data, callbacks, epochs=1, **kwargs):
     """`model.fit` on a dataset (a `PyDataset` or generator), unshuffled and
     silent."""

@@ -8,6 +8,7 @@ import pytest
 
 import keras_nanguard as ng
 from tests.helpers import BACKEND, all_finite, assert_bit_identical
+from tests.models import tiny_mlp
 
 LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
 
@@ -21,13 +22,7 @@ def _data():
 
 def _model(optimizer):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
+    model = tiny_mlp()
     model.compile(optimizer=optimizer, loss=LOSS)
     return model
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import BACKEND
 from tests.launch import launch
+from tests.models import tiny_mlp
 from tests.workers.jax_data import GLOBAL, QUARANTINED, STEPS, global_data
 
 pytestmark = pytest.mark.slow
@@ -124,13 +125,7 @@ class TestJaxAcrossProcesses:
         assert found[0]["quarantined"] == [list(r) for r in QUARANTINED]
         # One process alone, on the global batches without the bad rows.
         keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.Dense(8, activation="relu"),
-                keras.layers.Dense(1),
-            ]
-        )
+        model = tiny_mlp()
         model.compile(
             optimizer=keras.optimizers.Adam(1e-2),
             loss=keras.losses.BinaryCrossentropy(from_logits=True),

@@ -7,6 +7,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
+from keras_nanguard.demo import mlp
 from keras_nanguard.nan_guard import callback as nan_guard
 from tests.helpers import BACKEND, all_finite
 
@@ -30,14 +31,7 @@ def digits():
 def _train(digits, kind):
     x, y, x_test, y_test = digits
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    model = mlp(64, 10)
     optimizer = keras.optimizers.Adam(1e-3)
     callbacks = []
     if kind == "guarded":

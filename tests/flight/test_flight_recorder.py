@@ -13,6 +13,7 @@ from keras import ops
 import keras_nanguard as ng
 from keras_nanguard.flight.recorder import HISTORY_PROBES, RING_STEPS
 from tests.helpers import BACKEND, numpy
+from tests.models import tanh_regressor
 
 
 def _dense(seed=0):
@@ -378,14 +379,7 @@ def _rate_jump_run(monkeypatch, alarms: bool):
     x = rng.normal(size=(2048, 8)).astype("float32")
     y = np.tanh(x @ rng.normal(size=(8, 1))).astype("float32")
     keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(32, "tanh"),
-            keras.layers.Dense(32, "tanh"),
-            keras.layers.Dense(1),
-        ]
-    )
+    model = tanh_regressor()
     rate = keras.optimizers.schedules.PiecewiseConstantDecay([50], [0.01, 3.0])
     model.compile(ng.SafeOptimizer(keras.optimizers.SGD(rate)), "mse")
     guard = ng.NaNGuard(policy="stop", verbose=0)

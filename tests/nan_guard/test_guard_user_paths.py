@@ -15,7 +15,6 @@ import pytest
 import keras_nanguard as ng
 from keras_nanguard import incidents, snapshots
 from tests.helpers import (
-    BINARY_LOSS,
     WithoutBatches,
     assert_bit_identical,
     binary_data,
@@ -23,16 +22,7 @@ from tests.helpers import (
     learning_rate,
     numpy,
 )
-
-
-def _model(optimizer, seed=1, dropout=False):
-    keras.utils.set_random_seed(seed)
-    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu")]
-    if dropout:
-        layers.append(keras.layers.Dropout(0.5, seed=1))
-    model = keras.Sequential([*layers, keras.layers.Dense(1)])
-    model.compile(optimizer=optimizer, loss=BINARY_LOSS)
-    return model
+from tests.models import guard_model as _model
 
 
 class _InLine(keras.callbacks.Callback):

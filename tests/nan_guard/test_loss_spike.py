@@ -13,6 +13,7 @@ from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
 from tests.helpers import numpy
+from tests.models import tanh_regressor
 
 SPIKE = 124  # epoch 2, batch 12 of 56: the spike's updates are steps 124-126
 EPOCHS = 8  # 448 steps; SPIKE + 100 ends epoch 4
@@ -167,14 +168,7 @@ def _warmup_run(callbacks):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2048, 8)).astype("float32")
     y = np.tanh(x @ rng.normal(size=(8, 1))).astype("float32")
-    model = keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(32, activation="tanh"),
-            keras.layers.Dense(32, activation="tanh"),
-            keras.layers.Dense(1),
-        ]
-    )
+    model = tanh_regressor()
     warmup = keras.optimizers.schedules.PolynomialDecay(0.01, 400, 3.0, power=1.0)
     model.compile(ng.SafeOptimizer(keras.optimizers.SGD(warmup)), "mse")
     model.fit(x, y, batch_size=16, epochs=3, callbacks=callbacks, verbose=0)

@@ -21,27 +21,10 @@ from tests.helpers import (
     all_finite,
     assert_bit_identical,
     binary_data,
+    fit_quietly,
     numpy,
 )
-
-
-def _model(optimizer=None, seed=1):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss=BINARY_LOSS)
-    return model
-
-
-def _fit(model, data, callbacks, epochs=1, **kwargs):
-    return model.fit(
-        data, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks, **kwargs
-    )
+from tests.models import guard_model as _model
 
 
 # --------------------------------------------------------------- arguments
@@ -190,7 +173,7 @@ def test_rejected_step_is_one_incident_and_left_out_of_the_figures():
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard(verbose=0)
-    history = _fit(_model(opt), data, [guard], epochs=2)
+    history = fit_quietly(_model(opt), data, [guard], epochs=2)
 
     assert [i.kind for i in guard.incidents] == ["rejected_step", "rejected_step"]
     first = guard.incidents[0]
@@ -202,7 +185,7 @@ def test_rejected_step_is_one_incident_and_left_out_of_the_figures():
 
     # The epoch loss is the mean over the kept batches: exactly what Keras
     # reports for the same run without the poisoned batch.
-    reference = _fit(
+    reference = fit_quietly(
         _model(keras.optimizers.SGD(0.05)), WithoutBatches(x, y, 16, [3]), [], 2
     )
     np.testing.assert_allclose(
@@ -217,7 +200,7 @@ def test_rejection_with_finite_loss_is_found_at_its_own_step():
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     spike = ng.faults.LearningRateSpike(at_steps=[2], factor=float("inf"))
     guard = ng.NaNGuard(verbose=0, check_every=3)
-    history = _fit(_model(opt), x, [spike, guard], y=y, batch_size=16)
+    history = fit_quietly(_model(opt), x, [spike, guard], y=y, batch_size=16)
     (inc,) = guard.incidents
     assert (inc.kind, inc.step, inc.steps) == ("rejected_step", 2, 1)
     assert "SafeOptimizer rejected 1 step: the update would have made" in inc.detail
@@ -231,7 +214,7 @@ def test_repeated_rejections_are_trouble_and_roll_back():
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2, 3, 4, 5])
     opt = ng.SafeOptimizer(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard(verbose=0, max_rejections=3, check_every=1)
-    _fit(_model(opt), data, [guard])
+    fit_quietly(_model(opt), data, [guard])
     assert len(guard.incidents) == 1
     inc = guard.incidents[0]
     assert (inc.step, inc.steps) == (2, 4)
@@ -250,7 +233,7 @@ def test_halted_optimizer_is_trouble():
     guard = ng.NaNGuard("stop", verbose=0, check_every=1)
     model = _model(opt)
     # Also on torch: an attached optimizer leaves the halt to NaNGuard.
-    _fit(model, data, [guard], epochs=3)
+    fit_quietly(model, data, [guard], epochs=3)
     assert guard.incidents[0].kind == "halted"
     assert "stopped training" in guard.incidents[0].action
     assert model.stop_training
@@ -276,7 +259,7 @@ def test_plain_optimizer_nan_is_rolled_back_at_a_batch_begin_soon_after():
     probe = _Probe()
     guard = ng.NaNGuard(verbose=0)
     model = _model(keras.optimizers.SGD(0.05))
-    history = _fit(model, data, [guard, probe])
+    history = fit_quietly(model, data, [guard, probe])
     inc = guard.incidents[0]
     assert (inc.kind, inc.step) == ("nonfinite_loss", 3)
     assert "The update was applied" in inc.detail
@@ -302,7 +285,7 @@ def test_nan_weights_with_a_finite_loss_are_caught_at_the_next_check():
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3])
     guard = ng.NaNGuard(verbose=0, snapshot_every=2)
     model = _model(keras.optimizers.SGD(0.05))
-    _fit(model, data, [guard])
+    fit_quietly(model, data, [guard])
     (inc,) = guard.incidents
     assert inc.kind in ("nonfinite_loss", "nonfinite_weights")
     assert inc.step in (3, 4)
@@ -320,7 +303,9 @@ def test_diverging_learning_rate_rolls_back_lowers_lr_and_finishes_finite():
 
     guard = ng.NaNGuard(verbose=0, lr_factor=1e-31, patience=3)
     model = _model(keras.optimizers.SGD(0.05))
-    history = _fit(model, x, [BadSchedule(), guard], epochs=5, y=y, batch_size=16)
+    history = fit_quietly(
+        model, x, [BadSchedule(), guard], epochs=5, y=y, batch_size=16
+    )
     assert guard.rollbacks >= 1
     assert all_finite(model.weights)
     assert float(model.optimizer.learning_rate) < 1.0
@@ -338,7 +323,7 @@ def test_patience_exhausted_stops_with_good_weights():
     )
     guard = ng.NaNGuard(verbose=0, patience=2)
     model = _model(keras.optimizers.SGD(0.05))
-    history = _fit(model, data, [guard], epochs=3)
+    history = fit_quietly(model, data, [guard], epochs=3)
     assert guard.rollbacks == 2
     assert (
         "stopped training after 2 rollbacks without recovery"
@@ -353,7 +338,7 @@ def test_stop_policy_restores_the_last_snapshot_bit_identical():
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[5], target="y")
     guard = ng.NaNGuard("stop", snapshot_every=2, verbose=0)
     model = _model(keras.optimizers.Adam(0.01))
-    history = _fit(model, data, [guard], epochs=3)
+    history = fit_quietly(model, data, [guard], epochs=3)
     assert model.stop_training and len(history.history["loss"]) == 1
     assert guard.snapshot.step == 4  # after step 3, confirmed by step 4
     n = len(model.weights)
@@ -384,7 +369,7 @@ def test_raise_policy_restores_then_raises_with_the_report():
     with pytest.raises(
         ng.NonFiniteError, match=r"nonfinite_loss.*raised NonFiniteError"
     ) as err:
-        _fit(model, data, [guard])
+        fit_quietly(model, data, [guard])
     assert err.value.report["incidents"][0]["step"] == 2
     assert all_finite(model.weights)
 
@@ -395,7 +380,7 @@ def test_warn_policy_only_warns():
     model = _model(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard("warn", verbose=0)
     with pytest.warns(UserWarning, match="NaNGuard: ") as caught:
-        _fit(model, data, [guard])
+        fit_quietly(model, data, [guard])
     assert not all_finite(model.weights)
     # The NaN batch, then the NaN weights found at the end of the epoch.
     assert [i.kind for i in guard.incidents] == ["nonfinite_loss", "nonfinite_weights"]
@@ -417,7 +402,7 @@ def test_skip_batches_discards_the_next_updates():
 
     record = Record()
     model = _model(keras.optimizers.SGD(0.05))
-    _fit(model, data, [guard, record])
+    fit_quietly(model, data, [guard, record])
     assert "discarding the next 2 batches" in guard.incidents[0].action
     # Batches 4 and 5 were undone: the state is still the snapshot's (the
     # rollback point then; at the end of fit it is the final state).
@@ -429,7 +414,7 @@ def test_one_instance_serves_several_fits():
     guard = ng.NaNGuard(verbose=0, check_every=1)
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
     for _ in range(2):
-        _fit(
+        fit_quietly(
             model,
             ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[1]),
             [guard],
@@ -446,7 +431,7 @@ def test_steps_per_execution_groups_are_left_out_whole():
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
     model.compile(optimizer=model.optimizer, loss=BINARY_LOSS, steps_per_execution=2)
     guard = ng.NaNGuard(verbose=0)
-    history = _fit(model, data, [guard])
+    history = fit_quietly(model, data, [guard])
     assert len(guard.incidents) == 1
     assert np.isfinite(history.history["loss"]).all()
 
@@ -455,7 +440,7 @@ def test_replay_keeps_the_incident_batch():
     x, y = binary_data()
     x_bad = ng.faults.poison(x, rows=[40])  # batch 2 (rows 32..47)
     guard = ng.NaNGuard(verbose=0, replay=(x_bad, y), batch_size=16, check_every=1)
-    _fit(
+    fit_quietly(
         _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05))),
         x_bad,
         [guard],
@@ -477,7 +462,7 @@ def test_snapshots_on_disk_restore_into_a_fresh_model(tmp_path):
     x, y = binary_data()
     guard = ng.NaNGuard(verbose=0, directory=tmp_path, snapshot_every=3)
     model = _model(keras.optimizers.Adam(0.01))
-    _fit(model, x, [guard], y=y, batch_size=16, epochs=2)
+    fit_quietly(model, x, [guard], y=y, batch_size=16, epochs=2)
     assert (tmp_path / "nanguard_snapshot.npz").exists()
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
     fresh = _model(keras.optimizers.Adam(0.01), seed=9)
@@ -540,7 +525,7 @@ def test_report_file_is_json(tmp_path):
     path = tmp_path / "report.json"
     guard = ng.NaNGuard(verbose=0, report_path=path)
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
-    _fit(_model(ng.SafeOptimizer(keras.optimizers.SGD(0.05))), data, [guard])
+    fit_quietly(_model(ng.SafeOptimizer(keras.optimizers.SGD(0.05))), data, [guard])
     report = json.loads(path.read_text())
     assert report["policy"] == "rollback"
     assert report["incidents"][0]["kind"] == "rejected_step"
@@ -554,7 +539,9 @@ def test_csv_logger_sees_finite_figures_and_guard_columns(tmp_path):
     data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[2], target="y")
     path = tmp_path / "log.csv"
     model = _model(ng.SafeOptimizer(keras.optimizers.SGD(0.05)))
-    _fit(model, data, [ng.NaNGuard(verbose=0), keras.callbacks.CSVLogger(str(path))], 2)
+    fit_quietly(
+        model, data, [ng.NaNGuard(verbose=0), keras.callbacks.CSVLogger(str(path))], 2
+    )
     rows = list(csv.DictReader(path.open()))
     assert [int(float(r["nanguard_incidents"])) for r in rows] == [1, 2]
     assert all(np.isfinite(float(r["loss"])) for r in rows)
@@ -569,7 +556,9 @@ def test_model_checkpoint_never_saves_nan_weights(tmp_path):
     def run(callbacks, name):
         path = tmp_path / name
         model = _model(keras.optimizers.SGD(0.05))
-        _fit(model, data, [*callbacks, keras.callbacks.ModelCheckpoint(str(path))])
+        fit_quietly(
+            model, data, [*callbacks, keras.callbacks.ModelCheckpoint(str(path))]
+        )
         return keras.models.load_model(path)
 
     assert not all_finite(run([], "plain.keras").weights)
@@ -596,7 +585,7 @@ def test_backup_and_restore_keeps_a_good_backup(tmp_path):
     model = _model(keras.optimizers.SGD(0.05))
     guard = ng.NaNGuard("raise", verbose=0)
     with pytest.raises(ng.NonFiniteError):
-        _fit(
+        fit_quietly(
             model,
             data,
             [PoisonEpoch(), guard, keras.callbacks.BackupAndRestore(str(backup))],
@@ -608,7 +597,7 @@ def test_backup_and_restore_keeps_a_good_backup(tmp_path):
     # "stop" returns normally; with delete_checkpoint=False the backup stays.
     backup2 = tmp_path / "backup2"
     model = _model(keras.optimizers.SGD(0.05))
-    _fit(
+    fit_quietly(
         model,
         data,
         [
@@ -630,7 +619,9 @@ def test_early_stopping_and_reduce_lr_on_plateau_see_finite_figures():
     reduce = keras.callbacks.ReduceLROnPlateau(
         monitor="loss", factor=0.5, patience=0, min_delta=10.0
     )
-    history = _fit(model, data, [ng.NaNGuard(verbose=0), early, reduce], epochs=3)
+    history = fit_quietly(
+        model, data, [ng.NaNGuard(verbose=0), early, reduce], epochs=3
+    )
     # Without NaNGuard, EarlyStopping would stop at once on a NaN epoch loss.
     assert len(history.history["loss"]) == 3 or early.stopped_epoch > 0
     assert np.isfinite(history.history["loss"]).all()

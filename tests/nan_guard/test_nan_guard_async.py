@@ -11,7 +11,8 @@ import pytest
 import keras_nanguard as ng
 from keras_nanguard import snapshots
 from keras_nanguard.nan_guard import callback as nan_guard
-from tests.helpers import BACKEND, assert_bit_identical, mse_model, numpy
+from tests.helpers import BACKEND, assert_bit_identical, numpy
+from tests.models import mse_model
 
 
 def _data(n, seed=0):

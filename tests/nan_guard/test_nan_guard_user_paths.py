@@ -28,34 +28,8 @@ from tests.helpers import (
     learning_rate,
     numpy,
 )
-
-
-def _layers():
-    return [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
-
-
-class SubclassedNet(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.hidden, self.out = _layers()
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-
-def _model(optimizer, kind="input", seed=1, compile=True, **compile_kwargs):
-    """`kind`: "input" (built at once), "sequential" (a Sequential without
-    Input) or "subclassed" (both built by `fit`)."""
-    keras.utils.set_random_seed(seed)
-    if kind == "input":
-        model = keras.Sequential([keras.Input((6,)), *_layers()])
-    elif kind == "sequential":
-        model = keras.Sequential(_layers())
-    else:
-        model = SubclassedNet()
-    if compile:
-        model.compile(optimizer=optimizer, loss=BINARY_LOSS, **compile_kwargs)
-    return model
+from tests.models import guard_model as _model
+from tests.models import tiny_layers as _layers
 
 
 class _Weights(keras.callbacks.Callback):

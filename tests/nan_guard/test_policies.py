@@ -12,7 +12,8 @@ import pytest
 
 import keras_nanguard as ng
 from keras_nanguard.nan_guard.callback import _MAX_LAG
-from tests.helpers import BACKEND, mse_model
+from tests.helpers import BACKEND
+from tests.models import mse_model
 
 
 def _data(bad):

@@ -21,6 +21,7 @@ from tests.helpers import (
     binary_data,
     numpy,
 )
+from tests.models import tiny_mlp
 
 spe = pytest.mark.skipif(
     BACKEND == "torch", reason="Keras needs steps_per_execution=1 on torch"
@@ -30,13 +31,7 @@ spe = pytest.mark.skipif(
 def _model(k, seed=1):
     keras.utils.clear_session()  # the same variable names each time
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
+    model = tiny_mlp()
     model.compile(
         optimizer=ng.SafeOptimizer(keras.optimizers.SGD(0.05)),
         loss=BINARY_LOSS,

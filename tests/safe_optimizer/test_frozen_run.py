@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from tests.helpers import mse_model
+from tests.models import mse_model
 
 X = np.random.default_rng(0).standard_normal((320, 6)).astype("float32")
 Y = np.ones((320, 1), "float32")

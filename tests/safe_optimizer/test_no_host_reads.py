@@ -10,6 +10,7 @@ import pytest
 
 import keras_nanguard as ng
 from tests.helpers import BACKEND
+from tests.models import linear_stack as _model
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="torch dispatch only")
 
@@ -28,12 +29,6 @@ def _host_reads(fn) -> int:
     with Count():
         fn()
     return Count.reads
-
-
-def _model():
-    return keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)]
-    )
 
 
 @pytest.mark.parametrize("clip", [None, "adaptive"])

@@ -16,6 +16,7 @@ from keras import ops
 
 import keras_nanguard as ng
 from tests.helpers import BACKEND, assert_bit_identical, numpy
+from tests.models import linear_stack
 
 SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)
 OPTIMIZERS = {
@@ -91,9 +92,7 @@ def _make_step(opt, tv, mode):
 
 def _run(make, safe, mode):
     keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)]
-    )
+    model = linear_stack()
     tv = model.trainable_variables
     inner = make()
     opt = ng.SafeOptimizer(inner) if safe else inner

@@ -6,6 +6,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
+from keras_nanguard.demo import mlp
 from keras_nanguard.safe_optimizer import spike_window as spikes
 from tests.helpers import assert_bit_identical, numpy
 
@@ -144,14 +145,7 @@ def test_no_false_rejection_with_shuffled_batches_and_a_short_last_one():
     x = (d.data[order] / 16.0).astype("float32")
     y = d.target[order].astype("int32")
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    model = mlp(64, 10)
     opt = ng.SafeOptimizer(
         keras.optimizers.Adam(1e-3), spike_factor=FACTOR, spike_window=64
     )
