@@ -1,9 +1,6 @@
-"""NaNGuard with `steps_per_execution=k` (issue 18): the batch end sees k steps
-at once, and SafeOptimizer's `recent_rejections` tells which were rejected,
-so incidents and runs of rejected steps are those of `steps_per_execution=1`.
-Also: the 0.2 `.keras` layout (before `recent_rejections`) still loads."""
-
-import os
+"""NaNGuard with `steps_per_execution=k`: the batch end sees k steps at once,
+and SafeOptimizer's `recent_rejections` tells which were rejected, so
+incidents and runs of rejected steps are those of `steps_per_execution=1`."""
 
 import keras
 import numpy as np
@@ -11,16 +8,7 @@ import pytest
 from keras import ops
 
 import keras_nanguard as ng
-from tests.helpers import (
-    BACKEND,
-    BINARY_LOSS,
-    FIXTURES,
-    FLIGHT_NAMES,
-    all_finite,
-    assert_bit_identical,
-    binary_data,
-    numpy,
-)
+from tests.helpers import BACKEND, BINARY_LOSS, binary_data
 from tests.models import tiny_mlp
 
 spe = pytest.mark.skipif(
@@ -100,7 +88,7 @@ def test_recent_rejections_keeps_30_steps_without_overflow():
     assert opt.counters()["skipped_steps"] == 31
 
 
-# ------------------------- finding 12: one incident per rejected step
+# ------------------------------------- one incident per rejected step
 @spe
 def test_rejected_steps_in_different_executions_are_separate_incidents():
     found = {}
@@ -138,7 +126,7 @@ def test_rejected_steps_in_different_executions_are_separate_incidents():
     ]
 
 
-# ------------- finding 10e: a run of rejected steps across two executions
+# -------------------------- a run of rejected steps across two executions
 @pytest.mark.parametrize("k", [1, pytest.param(4, marks=spe)])
 def test_a_run_across_executions_is_trouble(k):
     model = _model(k)
@@ -169,7 +157,7 @@ def test_rejected_steps_that_are_not_a_run_are_not_trouble():
     assert guard.rollbacks == 1
 
 
-# --------------------------- finding 10b: the count is the incident's
+# --------------------------------------- the count is the incident's
 def test_an_extended_incident_counts_all_its_rejected_steps():
     model = _model(1)
     guard = ng.NaNGuard(verbose=0)
@@ -186,70 +174,3 @@ def test_an_extended_incident_counts_all_its_rejected_steps():
         "[epoch 0, step 3 (+1 more steps)] rejected_step: SafeOptimizer "
         "rejected 2 steps in steps 3-4: the gradient of"
     )
-
-
-# ---------------------------------------- the 0.2 layout still loads
-def test_a_keras_file_of_version_0_2_loads_and_trains_on():
-    path = os.path.join(FIXTURES, "safe_optimizer_0_2.keras")
-    expected = np.load(os.path.join(FIXTURES, "safe_optimizer_0_2_expected.npz"))
-    expected = [expected[f"arr_{i}"] for i in range(len(expected.files))]
-    # 0.2's `spike_sigma=6` loads as today's rule, with a warning that says so.
-    with pytest.warns(UserWarning, match=r"spike_sigma=6.0 .* spike_factor=10"):
-        model = keras.saving.load_model(path)
-    opt = model.optimizer
-    assert isinstance(opt, ng.SafeOptimizer)
-    assert (opt.spike_factor, opt.spike_window) == (10.0, 4)
-    assert "spike_sigma" not in opt.get_config()
-    n = len(model.weights)
-    assert_bit_identical(expected[:n], numpy(model.weights), "weights")
-    # 0.2 saved 13 counters, the spike window, then Adam's variables; the
-    # variables new since take their initial values.
-    saved = expected[n:]
-    # The two counters, the quarantine's three and its log, the window's
-    # `last_spike`, the flight recorder's six: new since.
-    assert len(opt.variables) == len(saved) + 2 + 4 + 1 + 6
-    names = [v.name for v in opt.variables]
-    assert names[13:19] == [
-        "loss_scale_steps",
-        "recent_rejections",
-        "quarantine_steps",
-        "quarantined_samples",
-        "quarantine_limit_steps",
-        "quarantine_log",
-    ]
-    assert [int(v) for v in numpy(opt.variables[15:18])] == [0, 0, 0]
-    assert_bit_identical(saved[:13], numpy(opt.variables[:13]), "counters")
-    assert (int(opt.loss_scale_steps), int(opt.recent_rejections)) == (0, 0)
-    # Adam's `iterations` is int32 in the JAX-made file, int64 on TensorFlow
-    # and torch: the same value in the backend's dtype.
-    # The window's `last_spike` (new since) starts at zeros.
-    np.testing.assert_array_equal(numpy([opt.last_spike])[0], np.zeros(2, "float32"))
-    flight = set(FLIGHT_NAMES)
-    assert [int(v) for v in numpy(opt.variables[22:24])] == [0, 0]  # after the window
-    loaded = numpy(
-        [v for v in opt.variables[19:] if v.name not in flight | {"last_spike"}]
-    )
-    saved = [
-        s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
-        for s, v in zip(saved[13:], loaded, strict=True)
-    ]
-    assert_bit_identical(saved, loaded, "window, Adam")
-    before = opt.counters()
-    assert (before["skipped_steps"], int(opt.iterations)) == (1, 7)
-    # It trains on: 8 batches of 8, the third with a NaN.
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((64, 4)).astype("float32")
-    y = rng.standard_normal((64, 1)).astype("float32")
-    x[20] = np.nan
-    opt.attach(model)  # as before saving: BatchNormalization's statistics too
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
-    c = opt.counters()
-    assert (
-        c["skipped_steps"],
-        c["nonfinite_gradient_steps"],
-        c["spike_steps"],
-        c["recent_rejections"],
-        int(opt.iterations),
-    ) == (2, 2, 0, 0b100000, 14)
-    assert all_finite(model.weights)
-    assert not np.array_equal(expected[0], numpy(model.weights)[0])

@@ -1,4 +1,5 @@
-"""Every public class serializes: get_config/from_config and a .keras round trip."""
+"""Every public class serializes: get_config/from_config and a .keras round trip.
+Files saved by 0.1 and 0.2 (`tests/fixtures/`) load and train on."""
 
 import os
 
@@ -7,7 +8,13 @@ import numpy as np
 import pytest
 
 import keras_nanguard as ng
-from tests.helpers import FIXTURES, FLIGHT_NAMES, assert_bit_identical, numpy
+from tests.helpers import (
+    FIXTURES,
+    FLIGHT_NAMES,
+    all_finite,
+    assert_bit_identical,
+    numpy,
+)
 
 
 def _data():
@@ -218,4 +225,71 @@ def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     )
     assert c["lr_scale"] == 0.25
     assert all(np.isfinite(w).all() for w in numpy(model.weights))
+    assert not np.array_equal(expected[0], numpy(model.weights)[0])
+
+
+# ---------------------------------------- the 0.2 layout still loads
+def test_a_keras_file_of_version_0_2_loads_and_trains_on():
+    path = os.path.join(FIXTURES, "safe_optimizer_0_2.keras")
+    expected = np.load(os.path.join(FIXTURES, "safe_optimizer_0_2_expected.npz"))
+    expected = [expected[f"arr_{i}"] for i in range(len(expected.files))]
+    # 0.2's `spike_sigma=6` loads as today's rule, with a warning that says so.
+    with pytest.warns(UserWarning, match=r"spike_sigma=6.0 .* spike_factor=10"):
+        model = keras.saving.load_model(path)
+    opt = model.optimizer
+    assert isinstance(opt, ng.SafeOptimizer)
+    assert (opt.spike_factor, opt.spike_window) == (10.0, 4)
+    assert "spike_sigma" not in opt.get_config()
+    n = len(model.weights)
+    assert_bit_identical(expected[:n], numpy(model.weights), "weights")
+    # 0.2 saved 13 counters, the spike window, then Adam's variables; the
+    # variables new since take their initial values.
+    saved = expected[n:]
+    # The two counters, the quarantine's three and its log, the window's
+    # `last_spike`, the flight recorder's six: new since.
+    assert len(opt.variables) == len(saved) + 2 + 4 + 1 + 6
+    names = [v.name for v in opt.variables]
+    assert names[13:19] == [
+        "loss_scale_steps",
+        "recent_rejections",
+        "quarantine_steps",
+        "quarantined_samples",
+        "quarantine_limit_steps",
+        "quarantine_log",
+    ]
+    assert [int(v) for v in numpy(opt.variables[15:18])] == [0, 0, 0]
+    assert_bit_identical(saved[:13], numpy(opt.variables[:13]), "counters")
+    assert (int(opt.loss_scale_steps), int(opt.recent_rejections)) == (0, 0)
+    # Adam's `iterations` is int32 in the JAX-made file, int64 on TensorFlow
+    # and torch: the same value in the backend's dtype.
+    # The window's `last_spike` (new since) starts at zeros.
+    np.testing.assert_array_equal(numpy([opt.last_spike])[0], np.zeros(2, "float32"))
+    flight = set(FLIGHT_NAMES)
+    assert [int(v) for v in numpy(opt.variables[22:24])] == [0, 0]  # after the window
+    loaded = numpy(
+        [v for v in opt.variables[19:] if v.name not in flight | {"last_spike"}]
+    )
+    saved = [
+        s.astype(v.dtype) if s.dtype.kind == v.dtype.kind == "i" else s
+        for s, v in zip(saved[13:], loaded, strict=True)
+    ]
+    assert_bit_identical(saved, loaded, "window, Adam")
+    before = opt.counters()
+    assert (before["skipped_steps"], int(opt.iterations)) == (1, 7)
+    # It trains on: 8 batches of 8, the third with a NaN.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 4)).astype("float32")
+    y = rng.standard_normal((64, 1)).astype("float32")
+    x[20] = np.nan
+    opt.attach(model)  # as before saving: BatchNormalization's statistics too
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    c = opt.counters()
+    assert (
+        c["skipped_steps"],
+        c["nonfinite_gradient_steps"],
+        c["spike_steps"],
+        c["recent_rejections"],
+        int(opt.iterations),
+    ) == (2, 2, 0, 0b100000, 14)
+    assert all_finite(model.weights)
     assert not np.array_equal(expected[0], numpy(model.weights)[0])

@@ -1,6 +1,7 @@
 """NaNGuard never forces a per-step sync: Keras dispatches its batch ends
-asynchronously, it reads nothing from the device between snapshots, and its
-incidents stay exact."""
+asynchronously (JAX, torch), it reads nothing from the device between
+snapshots, and its incidents stay exact; with a plain optimizer, a rollback
+comes at a batch begin at most `_MAX_LAG` batches after the bad one."""
 
 import threading
 
@@ -11,7 +12,15 @@ import pytest
 import keras_nanguard as ng
 from keras_nanguard import snapshots
 from keras_nanguard.nan_guard import callback as nan_guard
-from tests.helpers import BACKEND, assert_bit_identical, numpy
+from tests.helpers import (
+    BACKEND,
+    all_finite,
+    assert_bit_identical,
+    binary_data,
+    fit_quietly,
+    numpy,
+)
+from tests.models import guard_model as _model
 from tests.models import mse_model
 
 
@@ -172,3 +181,37 @@ def test_a_steps_logs_keep_its_values_after_later_steps():
     assert int(opt.skipped_steps) == 1
     assert float(first["nanguard_rejected_steps"]) == 0.0
     assert float(first["nanguard_grad_norm"]) > 0.0
+
+
+class _Probe(keras.callbacks.Callback):
+    """Listed after NaNGuard: checks the weights at every batch start."""
+
+    def on_train_begin(self, logs=None):
+        self.finite_at_begin = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.finite_at_begin.append(all_finite(self.model.weights))
+
+
+def test_plain_optimizer_nan_is_rolled_back_at_a_batch_begin_soon_after():
+    x, y = binary_data()
+    data = ng.faults.PoisonedBatches(x, y, batch_size=16, bad_batches=[3], target="y")
+    probe = _Probe()
+    guard = ng.NaNGuard(verbose=0)
+    model = _model(keras.optimizers.SGD(0.05))
+    history = fit_quietly(model, data, [guard, probe])
+    inc = guard.incidents[0]
+    assert (inc.kind, inc.step) == ("nonfinite_loss", 3)
+    assert "The update was applied" in inc.detail
+    assert any("dense" in v for v in inc.variables)
+    assert inc.action.startswith("rolled back")
+    # TensorFlow calls batch ends in line: batch 4 already starts from the
+    # restored state. JAX and torch call them in a worker thread: the
+    # rollback happens at a later batch begin, at most `_MAX_LAG` batches
+    # late; those batches ran on the bad state.
+    late = [i for i, ok in enumerate(probe.finite_at_begin) if not ok]
+    assert len(probe.finite_at_begin) == 8
+    lag = 0 if BACKEND == "tensorflow" else nan_guard._MAX_LAG
+    assert late == list(range(4, 4 + len(late))) and len(late) <= lag
+    assert all_finite(model.weights)
+    assert np.isfinite(history.history["loss"]).all()
