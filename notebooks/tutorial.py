@@ -2,7 +2,7 @@
 
 The notebooks import this module first (they run with `notebooks/` as the
 working directory): it sets the backend and imports TensorFlow without its
-start-up log lines; `tests/test_notebooks.py` imports it too, so every claim a
+start-up log lines; `tests/end_to_end/test_notebooks.py` imports it too, so every claim a
 notebook makes is checked by an ordinary test running the same code.
 """
 

@@ -207,7 +207,7 @@ def test_notebook_executes_and_shows_its_figures(name):
         "Runtime:" in c.source for c in stored.cells if c.cell_type == "markdown"
     )
     # What a reader sees on GitHub: committed with outputs and figures
-    # (`python -m tests.test_notebooks` re-executes and stores them).
+    # (`python -m tests.end_to_end.test_notebooks` re-executes and stores them).
     _check_outputs(stored, f"{name} as committed")
     assert os.path.getsize(path) < MAX_BYTES
     assert name in FIGURES, f"{name}: no FIGURES entry (and no claims test)"
@@ -329,7 +329,7 @@ def test_critic_claims():
     assert f["g_init_1e3_healthy"] == {"tanh": True, "relu": False}
 
     # "Why did my run diverge": two corpus runs, each named by its cause and
-    # warned before its first rejected step (as tests/test_run_corpus.py).
+    # warned before its first rejected step (as tests/diagnosis/test_run_corpus.py).
     runs = f["diverged"]
     assert runs["lr_warmup_mlp"]["cause"] == "learning_rate_too_high"
     assert runs["policy_collapse_actor"]["cause"] == "policy_collapse"

@@ -1,4 +1,4 @@
-"""The whole-model transaction on everyday paths (issue 18, findings 3-6):
+"""The whole-model transaction on everyday paths:
 `run_eagerly`, training with another optimizer after an attach, `detach`, a
 transaction around another model's step, and a model loaded from `.keras`."""
 

@@ -1,4 +1,4 @@
-"""The drop-in matrix (issue 11): a rejected step changes nothing, in any model.
+"""The drop-in matrix: a rejected step changes nothing, in any model.
 
 Every model kind carries BatchNormalization, whose moving statistics the
 forward pass updates before the optimizer decides anything. Training with

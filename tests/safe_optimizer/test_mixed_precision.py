@@ -1,4 +1,4 @@
-"""Mixed precision (issue 18, finding 1): a step that any layer of the
+"""Mixed precision: a step that any layer of the
 optimizer stack skips, the LossScaleOptimizer that `compile` adds under
 `mixed_float16` included, is a whole-model no-op, counted as a rejected step;
 a bad batch costs one rejected step, not a rollback, and leaves the loss
