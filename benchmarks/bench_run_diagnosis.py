@@ -117,7 +117,7 @@ def train(
 
 
 def _load(replay: bool) -> list[dict]:
-    from keras_nanguard.flight.reading import RunDiagnosis, explain_warned
+    from keras_nanguard.flight.reading import RunDiagnosis, diagnose_warned_run
     from keras_nanguard.flight.record import FlightRecord
 
     results = []
@@ -129,7 +129,7 @@ def _load(replay: bool) -> list[dict]:
                 list(z["columns"]), list(z["blocks"]), list(z["recurrent"]), z["rows"]
             )
             given = RunDiagnosis(**r["warnings"][0]) if r["warnings"] else None
-            r["explained"] = explain_warned(record, given).to_dict()
+            r["explained"] = diagnose_warned_run(record, given).to_dict()
         results.append(r)
     return results
 

@@ -48,6 +48,7 @@ from keras import ops
 from sklearn.datasets import load_digits
 
 import keras_nanguard as ng
+from keras_nanguard.demo import mlp
 
 FACTOR, SIGMA, WINDOW, STEPS, BATCH = 10.0, 6.0, 128, 3000, 32
 PROBES = (1000, 2000, 3000)
@@ -105,14 +106,7 @@ def run(scenario: str) -> list[str]:
     x = (digits.data[order] / 16.0).astype("float32")
     y = digits.target[order].astype("int32")
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    model = mlp(64, 10)
     opt = ng.SafeOptimizer(
         keras.optimizers.Adam(1e-3), spike_factor=FACTOR, spike_window=WINDOW
     )

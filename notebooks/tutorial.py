@@ -2,7 +2,7 @@
 
 The notebooks import this module first (they run with `notebooks/` as the
 working directory): it sets the backend and imports TensorFlow without its
-start-up log lines; `tests/test_notebooks.py` imports it too, so every claim a
+start-up log lines; `tests/end_to_end/test_notebooks.py` imports it too, so every claim a
 notebook makes is checked by an ordinary test running the same code.
 """
 
@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
 import keras_nanguard as ng  # noqa: E402
+from keras_nanguard.demo import mlp  # noqa: E402
 
 GAMMA = 0.99
 SOLVED = 195.0  # running reward that counts as "solved" for CartPole-v1
@@ -343,14 +344,7 @@ def digits_data(seed: int = 0) -> tuple[np.ndarray, ...]:
 
 def digits_model(seed: int = 0) -> keras.Model:
     keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    return mlp(64, 10)  # 64 -> 64 ReLU -> 64 ReLU -> 10 logits, the demo's MLP
 
 
 class BatchRecorder(keras.callbacks.Callback):

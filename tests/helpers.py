@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 from keras import ops
 
 from tests.conftest import BACKEND  # noqa: F401  (re-exported for tests)
+
+#: Files saved by earlier versions, which must keep loading (CONTRIBUTING.md).
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 # The NaNGuard tests' task: two features decide a binary label.
 BINARY_LOSS = keras.losses.BinaryCrossentropy(from_logits=True)
@@ -17,21 +22,6 @@ def binary_data(n: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal((n, 6)).astype("float32")
     y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
     return x, y
-
-
-def mse_model(optimizer, seed: int | None = None) -> keras.Model:
-    """A compiled 6-8-1 ReLU regressor (MSE); `seed` sets Keras's seed first."""
-    if seed is not None:
-        keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
 
 
 def fit_quietly(model, data, callbacks, epochs=1, **kwargs):
