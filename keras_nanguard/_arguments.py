@@ -10,7 +10,6 @@ is added or changed in one place.
 from __future__ import annotations
 
 import inspect
-import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -97,13 +96,16 @@ class ArgumentSpec:
         function: Callable[..., Any],
         joint: Callable[[Arguments, Any], Mapping[str, Any] | None] | None = None,
     ) -> None:
-        hints = typing.get_type_hints(function, include_extras=True)
+        # `eval_str`, not `typing.get_type_hints`: on Python 3.10 the latter
+        # makes an argument whose default is None `Optional[Annotated[...]]`,
+        # which hides the `Check`.
         self.defaults: dict[str, Any] = {}
         self.checks: dict[str, Check] = {}
-        for name, parameter in inspect.signature(function).parameters.items():
+        signature = inspect.signature(function, eval_str=True)
+        for name, parameter in signature.parameters.items():
             found = [
                 m
-                for m in getattr(hints.get(name), "__metadata__", ())
+                for m in getattr(parameter.annotation, "__metadata__", ())
                 if isinstance(m, Check)
             ]
             if found:

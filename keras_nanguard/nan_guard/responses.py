@@ -88,7 +88,7 @@ class Responses:
         if inc.batch_data is not None:
             snapshots.sync_from_device(state.model)
             diagnose_batch(inc, state.model)
-        self.write_report()  # told once its action is known (`telling`)
+        self.write_report()  # told once its action is known (`reporting`)
 
     def divergence_warning(self, found: RunDiagnosis) -> None:
         """Records the early warning `found` (never trouble); with
@@ -121,7 +121,7 @@ class Responses:
         """Acts on the newest incident, which is trouble."""
         inc, policy = self.log.last, self.settings.policy
         if policy == "warn":
-            inc.action = "warned"  # warned once, by `telling`
+            inc.action = "warned"  # warned once, by `reporting`
             return
         self.keeper.drop_pending()  # not yet proven by a healthy batch
         point = self.keeper.point
@@ -243,7 +243,7 @@ def lower_learning_rates(
 
 
 def lowered_words(lowered: dict[str, tuple[float, float]]) -> str:
-    """What an incident's action says of the rates `lower_all` changed."""
+    """What an incident's action says of the rates `lower_learning_rates` changed."""
     if list(lowered) == ["optimizer"]:
         old, new = lowered["optimizer"]
         return f", learning rate {old:.3g} -> {new:.3g}"

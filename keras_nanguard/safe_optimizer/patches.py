@@ -4,14 +4,16 @@ An attached model gets methods of its own over Keras's public override
 points (`train_step`, `train_on_batch`, `compute_loss`, `compute_metrics`):
 set on the instance, so that the class and other models are untouched.
 Which part set a method (its `owner`: an optimizer, a quarantine, an
-observer) and the method it replaced are declared here, in one registry,
-instead of as marks on the wrappers.
+observer) and the method it replaced are declared here, in one registry per
+model, instead of as marks on the wrappers. The registry lives on the model
+(`_REGISTRY` in its `__dict__`, past Keras's attribute tracking): a model
+and what it holds are freed together, which a registry of ours holding the
+replaced methods (bound to the model) would prevent.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +24,12 @@ import keras
 class Patch:
     """A method set on a model: who set it and what it replaced."""
 
+    method: Callable[..., Any]
     owner: Any
     original: Callable[..., Any]
 
 
-_SET: weakref.WeakKeyDictionary[Callable[..., Any], Patch] = weakref.WeakKeyDictionary()
+_REGISTRY = "_keras_nanguard_patches"
 
 
 def patch(
@@ -37,17 +40,16 @@ def patch(
     original: Callable[..., Any],
 ) -> None:
     """Sets `method` as `model.<name>`, set by `owner` over `original`."""
-    _SET[method] = Patch(owner, original)
+    vars(model).setdefault(_REGISTRY, {})[name] = Patch(method, owner, original)
     setattr(model, name, method)
 
 
 def patch_of(model: keras.Model, name: str) -> Patch | None:
     """The patch that is `model.<name>` now, if one of ours is."""
-    method = getattr(model, name, None)
-    try:
-        return _SET.get(method)  # type: ignore[arg-type]
-    except TypeError:  # not a function of ours (not weakly referable)
-        return None
+    found: Patch | None = vars(model).get(_REGISTRY, {}).get(name)
+    if found is None or getattr(model, name, None) is not found.method:
+        return None  # none, or the user has set a method of their own since
+    return found
 
 
 def owner_of(model: keras.Model, name: str) -> Any:
@@ -69,6 +71,7 @@ def unpatch(model: keras.Model, name: str) -> None:
     found = patch_of(model, name)
     if found is None:
         return
+    del vars(model)[_REGISTRY][name]
     original = found.original
     if getattr(original, "__self__", None) is model and getattr(
         original, "__func__", None

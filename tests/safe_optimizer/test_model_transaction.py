@@ -162,3 +162,25 @@ def test_a_step_outside_a_transaction_warns_once_when_saved_attached():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         side.step_begins(variables)  # once only
+
+
+def test_an_attached_model_is_freed_with_its_optimizer():
+    # What `attach` set on the model (and what it replaced) lives on the
+    # model: nothing of ours keeps an attached model, or its optimizer, alive.
+    import gc
+    import weakref
+
+    import keras_nanguard as ng
+
+    def trained():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        opt = ng.SafeOptimizer(keras.optimizers.SGD(0.1))
+        model.compile(optimizer=opt, loss="mse")
+        opt.attach(model, quarantine=True)
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+        assert patches.owner_of(model, "train_step") is opt
+        return weakref.ref(model), weakref.ref(opt)
+
+    model, opt = trained()
+    gc.collect()
+    assert (model(), opt()) == (None, None)
