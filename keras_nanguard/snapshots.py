@@ -312,12 +312,9 @@ def host_values(snap: Snapshot) -> list[np.ndarray]:
     return [np.array(to_host(v), copy=True) for v in snap.values]
 
 
-def restore(model: keras.Model, snapshot: Snapshot) -> None:
-    """Writes `snapshot` back into the model and its optimizer.
-
-    The learning rate is left as it is (a policy may have lowered it), and so
-    are SafeOptimizer's cumulative counters, which are history, not state.
-    """
+def _matching(model: keras.Model, snapshot: Snapshot) -> list[keras.Variable]:
+    """The variables of `model` and its optimizers, which `snapshot` holds
+    one value for each of."""
     variables = tracked(model)
     if len(variables) != len(snapshot.values):
         raise ValueError(
@@ -325,6 +322,16 @@ def restore(model: keras.Model, snapshot: Snapshot) -> None:
             f"{len(snapshot.values)} variables, the model and optimizer have "
             f"{len(variables)}."
         )
+    return variables
+
+
+def restore(model: keras.Model, snapshot: Snapshot) -> None:
+    """Writes `snapshot` back into the model and its optimizer.
+
+    The learning rate is left as it is (a policy may have lowered it), and so
+    are SafeOptimizer's cumulative counters, which are history, not state.
+    """
+    variables = _matching(model, snapshot)
     assign(model, variables, snapshot.values)
 
 
@@ -463,13 +470,7 @@ def save_weights_file(
 
     The caller syncs JAX state first (`snapshots.sync_from_device`).
     """
-    variables = tracked(model)
-    if len(variables) != len(snapshot.values):
-        raise ValueError(
-            "The snapshot does not match the model: it has "
-            f"{len(snapshot.values)} variables, the model and optimizer have "
-            f"{len(variables)}."
-        )
+    variables = _matching(model, snapshot)
     keep = unchecked(model) | {id(v) for v in seed_states(model)}
     swap = [
         (v, x)
