@@ -40,16 +40,21 @@ def patch(
     original: Callable[..., Any],
 ) -> None:
     """Sets `method` as `model.<name>`, set by `owner` over `original`."""
-    vars(model).setdefault(_REGISTRY, {})[name] = Patch(method, owner, original)
+    # A list per name: a part may wrap another's (the observer's
+    # `compute_metrics` over the quarantine's).
+    vars(model).setdefault(_REGISTRY, {}).setdefault(name, []).append(
+        Patch(method, owner, original)
+    )
     setattr(model, name, method)
 
 
 def patch_of(model: keras.Model, name: str) -> Patch | None:
     """The patch that is `model.<name>` now, if one of ours is."""
-    found: Patch | None = vars(model).get(_REGISTRY, {}).get(name)
-    if found is None or getattr(model, name, None) is not found.method:
-        return None  # none, or the user has set a method of their own since
-    return found
+    current = getattr(model, name, None)
+    for found in vars(model).get(_REGISTRY, {}).get(name, []):
+        if found.method is current:
+            return found
+    return None  # none, or the user has set a method of their own since
 
 
 def owner_of(model: keras.Model, name: str) -> Any:
@@ -71,7 +76,7 @@ def unpatch(model: keras.Model, name: str) -> None:
     found = patch_of(model, name)
     if found is None:
         return
-    del vars(model)[_REGISTRY][name]
+    vars(model)[_REGISTRY][name].remove(found)
     original = found.original
     if getattr(original, "__self__", None) is model and getattr(
         original, "__func__", None

@@ -59,7 +59,7 @@ def test_a_setting_set_on_the_optimizer_reaches_its_parts():
     settings = opt._settings
     assert (settings.clipnorm, settings.max_consecutive_skips) == (2.0, 3)
     assert opt._counters.settings is settings
-    assert opt._transaction.settings is settings
+    assert opt._step.settings is settings
     assert opt._model_transaction.settings is settings
     config = opt.get_config()
     assert (config["clipnorm"], config["max_consecutive_skips"]) == (2.0, 3)
