@@ -89,12 +89,12 @@ class ArgumentSpec:
 
     `joint(arguments, context)`, if given, checks what involves several
     arguments or the object they configure (`context`, e.g. the optimizer a
-    SafeOptimizer wraps) and may return replacements for some values."""
+    SafeOptimizer wraps): it raises, or returns nothing."""
 
     def __init__(
         self,
         function: Callable[..., Any],
-        joint: Callable[[Arguments, Any], Mapping[str, Any] | None] | None = None,
+        joint: Callable[[Arguments, Any], None] | None = None,
     ) -> None:
         # `eval_str`, not `typing.get_type_hints`: on Python 3.10 the latter
         # makes an argument whose default is None `Optional[Annotated[...]]`,
@@ -124,9 +124,7 @@ class ArgumentSpec:
         values = {name: check(name, given[name]) for name, check in self.checks.items()}
         arguments = Arguments(self, values)
         if self._joint is not None and context is not None:
-            replaced = self._joint(arguments, context)
-            if replaced:
-                arguments = Arguments(self, {**values, **replaced})
+            self._joint(arguments, context)
         return arguments
 
     def of(self, context: Any = None, **given: Any) -> Arguments:

@@ -107,9 +107,7 @@ def check_clipping(inner: keras.optimizers.Optimizer, clipnorm: float | None) ->
         )
 
 
-def check_with_inner(
-    settings: Arguments, inner: keras.optimizers.Optimizer
-) -> dict[str, Any] | None:
+def check_with_inner(settings: Arguments, inner: keras.optimizers.Optimizer) -> None:
     """Raises what `settings` cannot do with the optimizer `inner`: clip
     twice, back off a schedule, grade steps the inner optimizer sums, or
     bound and reset without the graded handling."""
@@ -149,7 +147,6 @@ def check_with_inner(
             "averages (`use_ema`) too. Received: reset_moments="
             f"{resets}, use_ema={inner.use_ema}"
         )
-    return None
 
 
 def resolve_inner(optimizer: Any, wrapper: type) -> keras.optimizers.Optimizer:
