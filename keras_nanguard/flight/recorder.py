@@ -265,19 +265,7 @@ class FlightRecorder:
         grad_norms = ops.sqrt(self._per_layer(grads_sq, checked, n))
         probe, extra = self._probe(inner, variables, old, n)
         step = self.steps.value + 1
-        code = {r: float(r.value) for r in Reason}
-        other: Any = code[Reason.HALTED]
-        if outcome.spike is not None:
-            other = ops.where(outcome.spike, code[Reason.SPIKE], other)
-        reason = ops.where(
-            outcome.ok,
-            code[Reason.NONE],
-            ops.where(
-                ~outcome.grads_ok,
-                code[Reason.GRADIENT],
-                ops.where(~outcome.update_ok, code[Reason.UPDATE], other),
-            ),
-        )
+        reason = outcome.reason()
         nan = ops.convert_to_tensor(math.nan, "float32")
         head = [
             ops.cast(step, "float32"),

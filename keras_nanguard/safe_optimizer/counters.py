@@ -71,6 +71,24 @@ class StepOutcome(NamedTuple):
     spike: Any = None  # the norm is a spike; `None` without spike_factor
     spike_figures: Any = None  # the spike's threshold and percentile
 
+    def reason(self) -> Any:
+        """Why the step was rejected, a `Reason` code as an int32 scalar
+        (`NONE`: accepted; `HALTED`: refused for nothing else than the
+        optimizer's halt). The one decision of it: the counters record it
+        and so does the flight recorder."""
+        other: Any = Reason.HALTED.value
+        if self.spike is not None:
+            other = ops.where(self.spike, Reason.SPIKE.value, other)
+        return ops.where(
+            self.ok,
+            Reason.NONE.value,
+            ops.where(
+                ~self.grads_ok,
+                Reason.GRADIENT.value,
+                ops.where(~self.update_ok, Reason.UPDATE.value, other),
+            ),
+        )
+
 
 @dataclasses.dataclass(eq=False)
 class Counters:
@@ -294,9 +312,10 @@ class Counters:
     def record_step(self, step: StepOutcome) -> None:
         """Counts a step of the optimizer (device writes only)."""
         ok, norm = step.ok, ops.cast(step.norm, "float32")
-        bad_grad = ~step.grads_ok
-        bad_update = ops.logical_and(step.grads_ok, ~step.update_ok)
-        self._count_outcome(ok, bad_grad, bad_update, step.clipped)
+        # A halted step keeps the cause of the rejections that halted it.
+        reason = step.reason()
+        reason = ops.where(reason == Reason.HALTED.value, Reason.NONE.value, reason)
+        self._count_outcome(ok, reason, step.clipped)
         self.last_grad_norm.assign(kernels.to_finite(norm))
         self.accepted_grad_norm.assign(
             ops.where(ok, norm, self.accepted_grad_norm.value)
@@ -304,13 +323,11 @@ class Counters:
         self.rejected_grad_norm.assign(
             ops.where(ok, self.rejected_grad_norm.value, kernels.to_finite(norm))
         )
-        reason = ops.where(
-            bad_grad,
-            Reason.GRADIENT.value,
-            ops.where(bad_update, Reason.UPDATE.value, Reason.NONE.value),
-        )
         if step.spike is not None:
-            reason = self._count_spike(step, norm, reason)
+            spike = reason == Reason.SPIKE.value
+            self.spike_steps.assign(self.spike_steps.value + _i32(spike))
+            norms, count, last = self.window()
+            spikes.record(ok, spike, norm, step.spike_figures, norms, count, last)
         failed = reason > 0
         self.last_rejection.assign(ops.where(failed, reason, self.last_rejection.value))
         self.last_nonfinite_index.assign(
@@ -319,9 +336,7 @@ class Counters:
         if self.settings.lr_backoff is not None:
             self._back_off(ok, self.settings.lr_backoff)
 
-    def _count_outcome(
-        self, ok: Any, bad_grad: Any, bad_update: Any, clipped: Any
-    ) -> None:
+    def _count_outcome(self, ok: Any, reason: Any, clipped: Any) -> None:
         self.skipped_steps.assign(self.skipped_steps.value + _i32(~ok))
         self.recent_rejections.assign(
             step_ops.shift_in(self.recent_rejections.value, _i32(~ok), RECENT_STEPS)
@@ -330,25 +345,15 @@ class Counters:
             ops.where(ok, 0, self.consecutive_skips.value + 1)
         )
         self.nonfinite_gradient_steps.assign(
-            self.nonfinite_gradient_steps.value + _i32(bad_grad)
+            self.nonfinite_gradient_steps.value + _i32(reason == Reason.GRADIENT.value)
         )
         self.nonfinite_update_steps.assign(
-            self.nonfinite_update_steps.value + _i32(bad_update)
+            self.nonfinite_update_steps.value + _i32(reason == Reason.UPDATE.value)
         )
         if clipped is not None:
             self.clipped_steps.assign(
                 self.clipped_steps.value + _i32(ops.logical_and(ok, clipped))
             )
-
-    def _count_spike(self, step: StepOutcome, norm: Any, reason: Any) -> Any:
-        """Counts a spike (a step rejected for nothing else) and writes the
-        window; the reason code with spikes."""
-        spike = ops.logical_and(step.spike, reason == Reason.NONE.value)
-        reason = ops.where(spike, Reason.SPIKE.value, reason)
-        self.spike_steps.assign(self.spike_steps.value + _i32(spike))
-        norms, count, last = self.window()
-        spikes.record(step.ok, spike, norm, step.spike_figures, norms, count, last)
-        return reason
 
     def _back_off(self, ok: Any, backoff: float) -> None:
         """The learning-rate scale after a step: lower after a rejection,
