@@ -34,6 +34,25 @@ NAN_CODE = -FLOAT32_MAX
 NEG_INF_CODE = float(np.nextafter(np.float32(-FLOAT32_MAX), np.float32(0)))
 
 
+def state_variable(
+    optimizer: keras.optimizers.Optimizer,
+    name: str,
+    shape: tuple = (),
+    dtype: str = "float32",
+    initial: float = 0.0,
+) -> keras.Variable:
+    """A new bookkeeping variable of `optimizer` (a counter, the flight
+    recorder's rows, the clipping's statistics): `shape` and `dtype`, every
+    element `initial`, each replica's own (`aggregation="none"`)."""
+    return optimizer.add_variable(
+        shape=shape,
+        dtype=dtype,
+        initializer=keras.initializers.Constant(initial),
+        aggregation="none",
+        name=name,
+    )
+
+
 def to_finite(x: Tensor) -> Tensor:
     """`x` as float32 with NaN, +inf and -inf as finite codes (`from_finite`
     reads them back): `NAN_CODE`, `FLOAT32_MAX` and `NEG_INF_CODE`."""

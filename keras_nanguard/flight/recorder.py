@@ -208,13 +208,7 @@ class FlightRecorder:
         width = len(self.columns)
 
         def make(name: str, shape: tuple, dtype: str, initial: float) -> Any:
-            return optimizer.add_variable(
-                shape=shape,
-                dtype=dtype,
-                initializer=keras.initializers.Constant(initial),
-                aggregation="none",
-                name=name,
-            )
+            return kernels.state_variable(optimizer, name, shape, dtype, initial)
 
         self.steps = make("flight_steps", (), "int32", 0)
         self.probes = make("flight_probes", (), "int32", 0)

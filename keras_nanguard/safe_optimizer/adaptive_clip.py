@@ -108,13 +108,7 @@ class ClipState:
         optimizer's `clipnorm` and `max_update_ratio`."""
 
         def make(name: str, shape: tuple, dtype: str, initial: float) -> Any:
-            return optimizer.add_variable(
-                shape=shape,
-                dtype=dtype,
-                initializer=keras.initializers.Constant(initial),
-                aggregation="none",
-                name=name,
-            )
+            return kernels.state_variable(optimizer, name, shape, dtype, initial)
 
         return cls(
             norm_stats=make("clip_norm_stats", (3,), "float32", 0.0),

@@ -283,12 +283,12 @@ class Counters:
         """The counters as new variables of `optimizer`, in field order, then
         the spike window when `settings` has a `spike_factor`."""
         made = {
-            f.name: optimizer.add_variable(
-                shape=f.metadata["shape"],
-                dtype=f.metadata["dtype"],
-                initializer=keras.initializers.Constant(f.metadata["initial"]),
-                aggregation="none",
-                name=f.name,
+            f.name: kernels.state_variable(
+                optimizer,
+                f.name,
+                f.metadata["shape"],
+                f.metadata["dtype"],
+                f.metadata["initial"],
             )
             for f in COUNTER_FIELDS
         }

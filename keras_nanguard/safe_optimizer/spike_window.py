@@ -43,6 +43,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _kernels as kernels
+
 PERCENTILE = 0.9
 
 
@@ -51,15 +53,9 @@ def make_window(
 ) -> tuple[keras.Variable, keras.Variable, keras.Variable]:
     """The ring buffer of norms, the count of steps written into it, and the
     figures of the last spike: threshold and percentile."""
-    norms = optimizer.add_variable(
-        shape=(window,), dtype="float32", aggregation="none", name="spike_norms"
-    )
-    count = optimizer.add_variable(
-        shape=(), dtype="int32", aggregation="none", name="spike_count"
-    )
-    last = optimizer.add_variable(
-        shape=(2,), dtype="float32", aggregation="none", name="last_spike"
-    )
+    norms = kernels.state_variable(optimizer, "spike_norms", (window,))
+    count = kernels.state_variable(optimizer, "spike_count", (), "int32")
+    last = kernels.state_variable(optimizer, "last_spike", (2,))
     return norms, count, last
 
 
