@@ -29,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 GLOBAL = 256
 
 
@@ -39,20 +38,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     os.environ["BENCH_ROUNDS"], os.environ["BENCH_STEPS"] = (
         str(args.rounds),
         str(args.steps),
     )
     os.environ["KERAS_BACKEND"] = args.engine  # the workers'
 
-    from tests.launch import launch  # tests/ is this repository's
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _launch import run_job
+    from _stats import ratio_summary
 
     with tempfile.TemporaryDirectory() as out:
-        launch(str(Path(__file__).resolve()), 2, Path(out), timeout=1800)
+        run_job(Path(__file__).resolve(), 2, Path(out), timeout=1800)
         found = json.loads((Path(out) / "bench0.json").read_text())
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _stats import ratio_summary
 
     base = found.pop("plain")
     print(f"engine {args.engine}: {args.rounds} rounds of {args.steps} steps")

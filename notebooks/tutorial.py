@@ -495,17 +495,6 @@ def train_image_policy(
     }
 
 
-def corpus() -> Any:
-    """The corpus of runs with known fates the tests hold the run diagnosis
-    to (`tests/corpus.py` of the repository, not part of the package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from tests import corpus as runs
-
-    return runs
-
-
 def learning_rate_sweep(
     tasks: str = "gpt,digits",
     arms: str = "clipnorm,zclip,adaptive",

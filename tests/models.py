@@ -2,9 +2,10 @@
 
 - The two models from the user's reports. They live in
   `notebooks/report_models.py`, with the notebooks whose story they are (and
-  which `benchmarks/bench_diagnose.py` imports too); this module puts that
-  folder on the path and re-exports them, so that every test, notebook and
-  benchmark builds the very same models under one module name.
+  which `benchmarks/bench_diagnose.py` imports too); `tests/__init__.py` puts
+  that folder on the path and this module re-exports them, so that every
+  test, notebook and benchmark builds the very same models under one module
+  name.
 - The NaNGuard tests' net, `tiny_mlp` (6 features, Dense 8 ReLU, Dense 1),
   compiled as a binary classifier (`guard_model`) or a regressor
   (`mse_model`).
@@ -19,24 +20,16 @@ it first.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import keras
-
-from tests.helpers import BINARY_LOSS
-
-_NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks")
-if _NOTEBOOKS not in sys.path:
-    sys.path.insert(0, _NOTEBOOKS)
-
-from report_models import (  # noqa: E402, F401  (re-exported)
+from report_models import (  # noqa: F401  (re-exported; notebooks/, tests/__init__.py)
     WeightNormDense,
     actor,
     critic,
     gathered_log_prob_loss,
     policy_gradient_loss,
 )
+
+from tests.helpers import BINARY_LOSS
 
 
 def tiny_layers(dropout: bool = False) -> list[keras.layers.Layer]:

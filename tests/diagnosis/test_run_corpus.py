@@ -1,5 +1,5 @@
 """`NaNGuard.explain()` and its early warning on the corpus of runs with known
-fates (`tests/corpus.py`): each diverging run is explained by its
+fates (`notebooks/run_corpus.py`): each diverging run is explained by its
 cause, each healthy run is `healthy`, and the warning comes before the first
 bad step in at least 80% of the diverging runs and never in a healthy one.
 
@@ -7,9 +7,9 @@ Each run trains once per session (`_result`); the per-run tests and the
 corpus-wide figures read the same runs."""
 
 import pytest
+import run_corpus as corpus  # notebooks/, on the path (tests/__init__.py)
 
 from keras_nanguard.flight import RUN_CAUSES
-from tests import corpus
 
 DIVERGING = [n for n, r in corpus.RUNS.items() if r.cause not in ("healthy", "stalled")]
 STALLED = [n for n, r in corpus.RUNS.items() if r.cause == "stalled"]

@@ -13,6 +13,7 @@ there is one.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,55 @@ def test_the_seam_check_sees_imports_and_calls(tmp_path):
         "line 4: import jax",
         "line 5: keras.backend.backend()",
     ]
+
+
+OUTSIDE_TESTS = ("benchmarks", "notebooks", "examples")
+
+
+def imports_of_tests(path: Path) -> list[str]:
+    """The lines of `path` (a script or a notebook) that import `tests`."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        source = "\n".join(
+            "".join(c["source"]) for c in cells if c["cell_type"] == "code"
+        )
+    else:
+        source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n == "tests" or n.startswith("tests.") for n in names):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_benchmarks_notebooks_and_examples_do_not_import_the_tests():
+    # DESIGN: they run on their own; what they share with the tests lives with
+    # them (notebooks/report_models.py, notebooks/run_corpus.py,
+    # benchmarks/_launch.py) and the tests import it from there.
+    top = ROOT.parent
+    found = {
+        str(path.relative_to(top)): lines
+        for folder in OUTSIDE_TESTS
+        for path in sorted((top / folder).rglob("*"))
+        if path.suffix in (".py", ".ipynb") and (lines := imports_of_tests(path))
+    }
+    assert not found, f"imports of tests/: {found}"
+
+
+def test_the_tests_import_check_sees_notebooks_and_late_imports(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import os\ndef f():\n    from tests import corpus\n")
+    notebook = tmp_path / "n.ipynb"
+    cells = [
+        {"cell_type": "markdown", "source": ["import tests\n"]},
+        {"cell_type": "code", "source": ["x = 1\n", "import tests.launch as t\n"]},
+    ]
+    notebook.write_text(json.dumps({"cells": cells}))
+    assert imports_of_tests(script) == ["line 3: from tests import corpus"]
+    assert imports_of_tests(notebook) == ["line 2: import tests.launch as t"]

@@ -218,7 +218,7 @@ def test_early_warning_is_checked():
 
 
 def _collapsing_actor():
-    from tests import corpus
+    import run_corpus as corpus  # notebooks/, on the path (tests/__init__.py)
 
     spec = corpus.RUNS["policy_collapse_actor"]
     keras.utils.set_random_seed(1)

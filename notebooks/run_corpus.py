@@ -1,6 +1,7 @@
-"""A corpus of training runs with known fates, made in code: what the tests
-hold `NaNGuard.explain()` and its early warning to (the held-out evaluation,
-on runs written apart from the rules, is `benchmarks/diagnosis_runs.py`).
+"""A corpus of training runs with known fates, made in code: what the tests and
+the notebook `04_diagnosing` hold `NaNGuard.explain()` and its early warning
+to (the held-out evaluation, on runs written apart from the rules, is
+`benchmarks/diagnosis_runs.py`).
 
 Each run is a `Run`: a model (MLPs, a CNN, a recurrent net, an actor's
 softmax policy, a transformer block), its data (made here, seeded), an
@@ -8,7 +9,7 @@ optimizer and the cause it diverges from, or `"healthy"`. They are small
 enough for CI (a few hundred steps of tiny models) and run the same on
 TensorFlow, JAX and PyTorch through `model.fit`:
 
->>> from tests import corpus
+>>> import run_corpus as corpus  # notebooks/ on the path
 >>> sorted(corpus.RUNS)[:2]
 ['activation_growth_deep', 'activation_growth_mlp']
 
