@@ -72,7 +72,7 @@ class StepOutcome(NamedTuple):
     spike_figures: Any = None  # the spike's threshold and percentile
 
     def reason(self) -> Any:
-        """Why the step was rejected, a `Reason` code as an int32 scalar
+        """Why the step was rejected, a `Reason` code as an integer scalar
         (`NONE`: accepted; `HALTED`: refused for nothing else than the
         optimizer's halt). The one decision of it: the counters record it
         and so does the flight recorder."""
