@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,18 +22,12 @@ from _launch import JobFailed, run_job  # noqa: E402  (benchmarks/, put on the p
 WORKERS = Path(__file__).parent / "workers"
 
 
-def launch(
-    worker: str,
-    count: int,
-    out_dir: Path,
-    ports: int = 1,
-    timeout: float = 240,
-    attempts: int = 3,
-) -> list[str]:
+def launch(worker: str, count: int, out_dir: Path, **job: Any) -> list[str]:
     """Runs `count` processes of `worker` (a file of `tests/workers/`) to the
-    end and returns their output; fails the test, with each one's output, if
-    one failed or the job outlived `timeout` seconds."""
+    end and returns their output (`job`: `run_job`'s `ports`, `timeout`,
+    `attempts`); fails the test, with each one's output, if one failed or
+    the job outlived its timeout."""
     try:
-        return run_job(WORKERS / worker, count, out_dir, ports, timeout, attempts)
+        return run_job(WORKERS / worker, count, out_dir, **job)
     except JobFailed as failed:
         pytest.fail(str(failed))
