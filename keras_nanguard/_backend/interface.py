@@ -51,15 +51,6 @@ class Backend(Protocol):
         elsewhere device copies, read later)."""
         ...
 
-    def tell_host(
-        self, flag: Tensor, value: Tensor, listener: Callable[[int], None]
-    ) -> bool:
-        """In a compiled step: has the device call `listener(int(value))` on
-        the host when `flag` holds, the host never waiting for it (JAX: an
-        `io_callback` under a `cond`). Returns False where it cannot (no
-        such call, or a distributed step): the host then polls for it."""
-        ...
-
     def device_room(self, variables: list[keras.Variable], need: int) -> bool:
         """Whether the device holding `variables` has `need` bytes free with
         a quarter of it left over (False: keep snapshots on the host)."""
@@ -111,6 +102,12 @@ class Backend(Protocol):
 
     def sync_state(self, model: keras.Model) -> None:
         """Makes `model`'s variables current (JAX keeps them apart in fit)."""
+        ...
+
+    def live_value(self, variable: keras.Variable, model: Any) -> Tensor | None:
+        """The value `variable` of `model`'s optimizer has in training now,
+        without making the model's variables current (JAX's `fit` keeps the
+        epoch's state apart from them); `None` where it cannot be found."""
         ...
 
     def frozen(self, value: Any) -> Any:

@@ -74,20 +74,6 @@ def start_host_copies(values: list[Tensor]) -> list[Tensor]:
     return copies
 
 
-def tell_host(flag: Tensor, value: Tensor, listener: Callable[[int], None]) -> bool:
-    if isinstance(flag, bool) or not isinstance(flag, jax.core.Tracer):
-        return False  # eager: the host polls
-    if keras.distribution.distribution() is not None:
-        return False  # a host call per device or process: the host polls
-    from jax.experimental import io_callback
-
-    def call() -> None:
-        io_callback(lambda v: listener(int(v)), None, value, ordered=False)
-
-    jax.lax.cond(flag, call, lambda: None)
-    return True
-
-
 def device_room(variables: list[keras.Variable], need: int) -> bool:
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
@@ -128,6 +114,24 @@ def assignable(value: Tensor, variable: keras.Variable) -> Tensor:
 def sync_state(model: keras.Model) -> None:
     if hasattr(model, "jax_state_sync"):
         model.jax_state_sync()
+
+
+def live_value(variable: keras.Variable, model: Any) -> Tensor | None:
+    # Between two steps of an epoch, Keras's trainer holds the state the
+    # last step returned in `model._jax_state` (for `jax_state_sync`), the
+    # variables emptied. Read from there: a sync would assign every
+    # variable of the model at every step.
+    state = getattr(model, "_jax_state", None)
+    if not state or getattr(model, "_jax_state_synced", True):
+        return variable.value  # current (or None: not found)
+    optimizer = getattr(model, "optimizer", None)
+    values = state.get("optimizer_variables")
+    if optimizer is None or not values:
+        return None
+    ids = [id(v) for v in optimizer.variables]
+    if id(variable) not in ids or len(ids) != len(values):
+        return None
+    return values[ids.index(id(variable))]
 
 
 def extra_forward_state(model: keras.Model) -> list[Tensor]:

@@ -46,10 +46,6 @@ def start_host_copies(values: list[Tensor]) -> list[Tensor]:
     return device_copies(values)
 
 
-def tell_host(flag: Tensor, value: Tensor, listener: Callable[[int], None]) -> bool:
-    return False  # the host polls a copy a step later
-
-
 def device_room(variables: list[keras.Variable], need: int) -> bool:
     # Snapshots are host copies: a read per epoch is cheap next to a TF
     # step, and a device copy would be a copy-on-write view anyway.
@@ -76,6 +72,10 @@ def assignable(value: Tensor, variable: keras.Variable) -> Tensor:
 
 def sync_state(model: keras.Model) -> None:
     return None
+
+
+def live_value(variable: keras.Variable, model: Any) -> Tensor | None:
+    return variable.value
 
 
 def extra_forward_state(model: keras.Model) -> list[Tensor]:

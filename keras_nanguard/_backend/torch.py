@@ -56,10 +56,6 @@ def start_host_copies(values: list[Tensor]) -> list[Tensor]:
     return device_copies(values)  # queued after the step; read a step later
 
 
-def tell_host(flag: Tensor, value: Tensor, listener: Callable[[int], None]) -> bool:
-    return False  # the host polls a copy a step later
-
-
 def device_room(variables: list[keras.Variable], need: int) -> bool:
     value = variables[0].value if variables else None
     if value is None or value.device.type != "cuda":
@@ -95,6 +91,10 @@ def assignable(value: Tensor, variable: keras.Variable) -> Tensor:
 
 def sync_state(model: keras.Model) -> None:
     return None
+
+
+def live_value(variable: keras.Variable, model: Any) -> Tensor | None:
+    return variable.value
 
 
 def frozen(value: Any) -> Any:

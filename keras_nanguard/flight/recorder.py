@@ -7,8 +7,9 @@ over the weights, the optimizer state or the batch, and which is kept in a
 coarse history of the last `HISTORY_PROBES` probes (`flight_history`). No
 step reads anything back to the host: the rows are read at epoch ends, at
 incidents, on request (`FlightRecorder.read`) and when the recorder's alarm
-rings (decided on the device every step, see `ALARM_GROWTH`; the host hears
-of it without waiting, `FlightRecorder.newest_alarm`).
+rings (decided on the device every step, see `ALARM_GROWTH`; the host polls
+a copy of it two steps later, `FlightRecorder.newest_alarm`, with no host
+call inside the step).
 
 Every step (nearly free: the gradient norms are the transaction's own sums
 of squares): the step's number, `iterations`, accepted or not and why, the
@@ -168,10 +169,9 @@ class FlightRecorder:
         self.alarm: Any = None  # the step of the newest alarm (0: none)
         self.level: Any = None  # the gradient norm's running log-level
         self._calls = 0  # eager steps run: the host's probe cadence
-        # The host's side of the alarm: the newest alarm step the device
-        # told (`told`: it can), else copies of `alarm`, read `lag` later.
+        # The host's side of the alarm: the newest alarm step read from
+        # copies of `alarm`, each read `lag` calls after it was started.
         self.heard = 0
-        self.told = False
         self._alarm_copies: list[Any] = []
         self._probed = 0  # eager: the newest alarm a probe followed
         self._eager_probes: list[int] = []  # eager: the last probes' steps
@@ -313,23 +313,24 @@ class FlightRecorder:
         self._raise(ops.logical_or(jump, ops.logical_and(probe, drift)), step)
 
     def _raise(self, ringing: Any, step: Any) -> None:
-        """Sets the alarm to `step` where `ringing`, and tells the host."""
+        """Sets the alarm to `step` where `ringing`. The host is not called
+        from the step (a host callback under a `cond` made a compiled JAX
+        step of a small model 3x slower even when it did not fire): it polls
+        (`newest_alarm`)."""
         self.alarm.assign(ops.where(ringing, ops.cast(step, "int32"), self.alarm.value))
-        if backend.tell_host(ringing, step, self._hear):
-            self.told = True  # written only then: no Python state for dynamo
 
-    def _hear(self, step: int) -> None:
-        self.heard = max(self.heard, step)  # on a thread of the device's runtime
-
-    def newest_alarm(self, lag: int) -> int:
+    def newest_alarm(self, lag: int, model: Any = None) -> int:
         """The step of the newest alarm the host knows without waiting for
-        the device (0: none): told by the device where it can, else read
-        from a copy of the alarm started `lag` calls before (each call
-        starts one; not in JAX's `fit`, whose variables are the trainer's
-        during an epoch)."""
-        if self.alarm is None or self.told or backend.STATELESS_TRAIN_STEP:
+        the device (0: none): read from a copy of the alarm started `lag`
+        calls before (each call starts one). In JAX's `fit` the value is
+        the one the trainer holds for `model` between two steps
+        (`backend.live_value`)."""
+        if self.alarm is None:
             return self.heard
-        self._alarm_copies.append(backend.start_host_copies([self.alarm.value])[0])
+        value = backend.live_value(self.alarm, model)
+        if value is None:
+            return self.heard
+        self._alarm_copies.append(backend.start_host_copies([value])[0])
         if len(self._alarm_copies) > lag:
             copy = self._alarm_copies.pop(0)
             self.heard = max(self.heard, int(np.asarray(ops.convert_to_numpy(copy))))

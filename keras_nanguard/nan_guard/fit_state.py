@@ -318,9 +318,9 @@ class SafeCounters(Protocol):
         makes the record of them."""
         ...
 
-    def _newest_alarm(self, lag: int) -> int:
+    def _newest_alarm(self, lag: int, model: Any = None) -> int:
         """The step of the flight recorder's newest alarm the host knows
-        without waiting for the device (0: none)."""
+        without waiting for the device (0: none), training `model`."""
         ...
 
     def attach(
@@ -406,8 +406,8 @@ class SafeOptimizers:
     def _start_flight_read(self) -> Callable[[], FlightRecord]:
         return self._recorded()._start_flight_read()
 
-    def _newest_alarm(self, lag: int) -> int:
-        return self._recorded()._newest_alarm(lag)
+    def _newest_alarm(self, lag: int, model: Any = None) -> int:
+        return self._recorded()._newest_alarm(lag, model)
 
     def attach(
         self,

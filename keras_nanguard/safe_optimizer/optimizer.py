@@ -828,11 +828,11 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         values = recorder.start_read() if recorder.ring is not None else None
         return lambda: FlightRecord.of(recorder, values)
 
-    def _newest_alarm(self, lag: int) -> int:
+    def _newest_alarm(self, lag: int, model: Any = None) -> int:
         """The step of the flight recorder's newest alarm the host knows
-        without waiting (NaNGuard reads the record when it rings); see
-        `FlightRecorder.newest_alarm`."""
-        return self._recorder.newest_alarm(lag)
+        without waiting (NaNGuard reads the record when it rings), training
+        `model`; see `FlightRecorder.newest_alarm`."""
+        return self._recorder.newest_alarm(lag, model)
 
     def observe(
         self, *, loss: Any = None, inputs: Any = None, outputs: Any = None

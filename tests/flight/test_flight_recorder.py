@@ -374,7 +374,9 @@ def _rate_jump_run(monkeypatch, alarms: bool):
     from keras_nanguard.flight.recorder import FlightRecorder
 
     if not alarms:
-        monkeypatch.setattr(FlightRecorder, "newest_alarm", lambda self, lag: 0)
+        monkeypatch.setattr(
+            FlightRecorder, "newest_alarm", lambda self, lag, model=None: 0
+        )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2048, 8)).astype("float32")
     y = np.tanh(x @ rng.normal(size=(8, 1))).astype("float32")
