@@ -14,7 +14,9 @@ guard <= 1.75 on JAX), then safe / clipnorm and guard / terminate (issue 54:
 (batch 32), the convnet of `examples/convnet.py` (digits, batch 64), the
 transformer classifier of `examples/transformer.py` (batch 32) and the GPT of
 `examples/gpt.py` (batch 32). `--busy N` starts N processes that spin on the
-CPU for the whole run (a shared notebook or CI machine).
+CPU for the whole run (a shared notebook or CI machine). `--multi`: every
+arm's Adam is a `MultiOptimizer`, Adam for all but the last layer and SGD
+with momentum for it, as fine-tuning uses it (issue 44).
 
 On JAX, `--kernels` prints instead an exact proxy of the step's fixed cost:
 the kernels (XLA fusions) of one compiled train step, the host callbacks in
@@ -27,6 +29,7 @@ Usage:
     KERAS_BACKEND=jax python benchmarks/bench_examples.py
     KERAS_BACKEND=tensorflow python benchmarks/bench_examples.py --busy 1
     KERAS_BACKEND=jax python benchmarks/bench_examples.py --kernels
+    KERAS_BACKEND=jax python benchmarks/bench_examples.py --multi
 """
 
 from __future__ import annotations
@@ -136,10 +139,25 @@ LOSSES = {
 }
 
 
-def _optimizer(arm: str) -> keras.optimizers.Optimizer:
-    if arm == "clipnorm":
-        return keras.optimizers.Adam(1e-3, global_clipnorm=1.0)
-    opt = keras.optimizers.Adam(1e-3)
+MULTI = False  # --multi: each arm's Adam is a MultiOptimizer (see `_adam`)
+
+
+def _adam(model: keras.Model, **kwargs) -> keras.optimizers.Optimizer:
+    """Adam at 1e-3; with `--multi`, Keras's per-layer optimizers as
+    fine-tuning uses them: Adam for all but the last layer, which trains
+    with SGD and momentum (each sub-optimizer gets `kwargs`)."""
+    if not MULTI:
+        return keras.optimizers.Adam(1e-3, **kwargs)
+    chosen = keras.optimizers.OptimizerMap(keras.optimizers.Adam(1e-3, **kwargs))
+    head = model.layers[-1].name
+    chosen[f"{head}/.*"] = keras.optimizers.SGD(1e-2, momentum=0.9, **kwargs)
+    return keras.optimizers.MultiOptimizer(chosen)
+
+
+def _optimizer(arm: str, model: keras.Model) -> keras.optimizers.Optimizer:
+    if arm == "clipnorm":  # of a MultiOptimizer: each sub-optimizer's own norm
+        return _adam(model, global_clipnorm=1.0)
+    opt = _adam(model)
     if arm in ("plain", "terminate"):
         return opt
     if arm == "safe, no recorder":
@@ -150,7 +168,7 @@ def _optimizer(arm: str) -> keras.optimizers.Optimizer:
 def _arm(name: str, arm: str):
     keras.utils.set_random_seed(0)
     model, x, y, batch = MODELS[name]()
-    model.compile(_optimizer(arm), LOSSES[name])
+    model.compile(_optimizer(arm, model), LOSSES[name])
     callbacks: list[keras.callbacks.Callback] = []
     if arm == "terminate":
         callbacks = [keras.callbacks.TerminateOnNaN()]
@@ -196,7 +214,7 @@ def step_kernels(compiled) -> tuple[int, int, float]:
 def _kernels(make, loss, arm: str) -> tuple[int, int, float]:
     keras.utils.set_random_seed(0)
     model, x, y, batch = make()
-    model.compile(_optimizer(arm), loss)
+    model.compile(_optimizer(arm, model), loss)
     model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)  # builds
     return step_kernels(compiled_step(model, x[:batch], y[:batch]))
 
@@ -235,7 +253,12 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, help="spinning processes")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument(
+        "--multi", action="store_true", help="MultiOptimizer: Adam, SGD for the head"
+    )
     args = parser.parse_args()
+    global MULTI
+    MULTI = args.multi
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
     if args.kernels:
         _kernel_table()
@@ -244,7 +267,8 @@ def main() -> None:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         parser.error(f"--models: each of {list(MODELS)}. Received: {unknown}")
-    print(f"busy processes: {args.busy}; each cell: one arm's time / another's")
+    print(f"busy processes: {args.busy}; MultiOptimizer: {args.multi}")
+    print("each cell: one arm's time / another's")
     print(
         "\n| model | steps timed | plain s/step | "
         + " | ".join(f"{a} / {b}" for a, b in FIGURES)

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_nanguard import _rates as rates
 from keras_nanguard._validation import check_indices, check_steps, fault_value, is_int
 
 
@@ -282,6 +283,15 @@ def corrupt_gradients(
 
 
 def _settable_lr(optimizer: Any) -> Any:
+    if rates.is_multi(optimizer):
+        subs = list(rates.rate_owners(optimizer))
+        raise ValueError(
+            "A learning-rate spike changes one learning rate, and a "
+            f"MultiOptimizer has one per sub-optimizer ({', '.join(subs)}). "
+            "Spike a sub-optimizer's: `learning_rate_spike(sub, factor)` with "
+            "`sub` one of `MultiOptimizer.optimizers`. Received: "
+            f"optimizer={optimizer!r}"
+        )
     lr = optimizer.learning_rate
     if not isinstance(lr, keras.Variable):
         raise ValueError(

@@ -28,6 +28,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_nanguard import _rates as rates
 from keras_nanguard._atomic import atomic_path
 from keras_nanguard._backend import current as backend
 from keras_nanguard._host_device import (
@@ -109,9 +110,7 @@ def unchecked(model: keras.Model) -> set[int]:
     skip: set[int] = set()
     for optimizer in model_optimizers(model).values():
         skip |= _reports(optimizer)
-        lr = getattr(optimizer, "learning_rate", None)
-        if isinstance(lr, keras.Variable):
-            skip.add(id(lr))
+        skip |= {id(lr) for lr in rates.rate_variables(optimizer)}
     return skip
 
 
@@ -138,8 +137,13 @@ def variable_name(v: keras.Variable) -> str:
 
 
 def learning_rate_variable(model: keras.Model) -> keras.Variable | None:
-    """The optimizer's learning-rate variable; `None` for a schedule."""
-    lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    """The optimizer's learning-rate variable; `None` for a schedule, and
+    for a MultiOptimizer (its sub-optimizers' rates are among the
+    optimizer's variables, which a restore leaves as they are)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or rates.is_multi(optimizer):
+        return None
+    lr = getattr(optimizer, "learning_rate", None)
     return lr if isinstance(lr, keras.Variable) else None  # not a schedule
 
 

@@ -121,8 +121,10 @@ def main() -> int:
     args, backends, pytest_args = _arguments()
 
     failures, start = [], time.perf_counter()
+    phases: list[str] = []  # each phase's time, printed at the end
     if not args.no_lint:
         failures += _lint()
+        phases.append(f"lint and docs {time.perf_counter() - start:.0f} s")
     jobs = min(args.jobs, len(backends))
     free_on = next(b for b in BACKEND_FREE_ON if b in backends)
     print(
@@ -139,12 +141,14 @@ def main() -> int:
         for run in as_completed(runs):
             backend, (code, output, seconds) = runs[run], run.result()
             print(f"\n{output}[{backend}] pytest exit code {code} in {seconds:.0f} s")
+            phases.append(f"{backend} {seconds:.0f} s")
             sys.stdout.flush()
             if code != 0:  # 5 = no tests collected: a failure too
                 failures.append(
                     f"pytest under KERAS_BACKEND={backend} (exit code {code})"
                 )
     print(f"\nThe whole check took {time.perf_counter() - start:.0f} s.")
+    print("Phases: " + "; ".join(phases) + f" ({jobs} backends at a time).")
     if failures:
         print("\nFAILED: " + "; ".join(failures))
         return 1

@@ -44,6 +44,7 @@ import numpy as np
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard import _rates as rates
 from keras_nanguard._backend import current as backend
 
 
@@ -374,13 +375,19 @@ class FlightRecorder:
             for v, o in zip(variables, old, strict=True)
             if keras.backend.is_float_dtype(v.dtype) and id(v) in self._layer_index
         ]
-        moments = [
-            w for w in inner.variables if w.path.split("/")[-1].endswith(SECOND_MOMENTS)
-        ]
-        epsilon = float(getattr(inner, "epsilon", 0.0) or 0.0)
+        # Each optimizer's second moments with its own epsilon (a
+        # MultiOptimizer's sub-optimizers each have theirs).
+        groups = []
+        for owner in rates.rate_owners(inner).values():
+            values = [
+                w.value
+                for w in owner.variables
+                if w.path.split("/")[-1].endswith(SECOND_MOMENTS)
+            ]
+            if values:
+                groups.append((values, float(getattr(owner, "epsilon", 0.0) or 0.0)))
         new_values = [v.value for v, _ in floats]
         old_values = [o for _, o in floats]
-        moment_values = [w.value for w in moments]
 
         def measure() -> Any:
             if floats:
@@ -393,13 +400,13 @@ class FlightRecorder:
                 u = ops.sqrt(self._per_layer(d_sq, held, n))
             else:
                 w = u = ops.zeros((n,), "float32")
-            if moment_values:
+            state = ops.convert_to_tensor(math.nan, "float32")
+            for k, (values, epsilon) in enumerate(groups):
                 smallest = ops.amin(
-                    ops.stack([ops.amin(ops.cast(m, "float32")) for m in moment_values])
+                    ops.stack([ops.amin(ops.cast(m, "float32")) for m in values])
                 )
-                state = ops.sqrt(ops.maximum(smallest, 0.0)) + epsilon
-            else:
-                state = ops.convert_to_tensor(math.nan, "float32")
+                found = ops.sqrt(ops.maximum(smallest, 0.0)) + epsilon
+                state = found if k == 0 else ops.minimum(state, found)
             return ops.concatenate([ops.reshape(state, (1,)), w, u])
 
         def skip() -> Any:

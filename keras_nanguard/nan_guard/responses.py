@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import keras
 import numpy as np
 
+from keras_nanguard import _rates as rates
 from keras_nanguard import snapshots
 from keras_nanguard._arguments import Arguments
 from keras_nanguard.errors import NonFiniteError
@@ -27,7 +28,6 @@ from keras_nanguard.nan_guard.batch_watch import Event
 from keras_nanguard.nan_guard.fit_state import FitState
 from keras_nanguard.nan_guard.reporting import IncidentLog
 from keras_nanguard.nan_guard.snapshotting import SnapshotKeeper, Snapshotter
-from keras_nanguard.safe_optimizer import find_safe_optimizer
 
 
 class Responses:
@@ -110,10 +110,12 @@ class Responses:
         if stall or early != "act" or self.settings.policy != "rollback":
             return
         optimizer = self.state.model.optimizer
-        lr = lower_learning_rate(optimizer, self.settings.lr_factor)
-        if lr is not None:
-            inc.learning_rate = lr
-            inc.action = f"lowered the learning rate {lr[0]:.3g} -> {lr[1]:.3g}"
+        lowered = lower_learning_rates(
+            {"optimizer": optimizer}, self.settings.lr_factor
+        )
+        if lowered:
+            inc.learning_rate = next(iter(lowered.values()))
+            inc.action = "lowered the" + lowered_words(lowered)[1:]
         else:
             inc.action = "recorded" + not_lowered(optimizer)
 
@@ -213,7 +215,8 @@ class Responses:
 
 def lower_learning_rate(optimizer: Any, factor: float) -> tuple[float, float] | None:
     """Multiplies a variable learning rate by `factor`; returns the rate
-    before and after, or `None` if nothing changed (`factor` 1, a schedule)."""
+    before and after, or `None` if nothing changed (`factor` 1, a schedule).
+    `optimizer` owns one rate (see `_rates.rate_owners`)."""
     lr = optimizer.learning_rate
     if factor == 1 or not isinstance(lr, keras.Variable):
         return None
@@ -237,8 +240,14 @@ def trained_by(model: keras.Model) -> dict[str, Any]:
 def lower_learning_rates(
     optimizers: dict[str, Any], factor: float
 ) -> dict[str, tuple[float, float]]:
-    """`lower` for each optimizer: the rates it changed, by name."""
-    found = {name: lower_learning_rate(opt, factor) for name, opt in optimizers.items()}
+    """`lower_learning_rate` for each rate the optimizers train with (each
+    sub-optimizer's of a MultiOptimizer): the rates it changed, by
+    `_rates.label` (`optimizer`, `optimizer/sgd`)."""
+    found = {
+        rates.label(name, sub): lower_learning_rate(owner, factor)
+        for name, opt in optimizers.items()
+        for sub, owner in rates.rate_owners(opt).items()
+    }
     return {name: lr for name, lr in found.items() if lr is not None}
 
 
@@ -253,18 +262,23 @@ def lowered_words(lowered: dict[str, tuple[float, float]]) -> str:
 
 def schedule_name(optimizer: Any) -> str | None:
     """The class name of the optimizer's learning-rate schedule, as its
-    public config names it; `None` when the rate is a variable."""
-    if optimizer is None or isinstance(optimizer.learning_rate, keras.Variable):
+    public config names it (of a MultiOptimizer, each sub-optimizer's that
+    has one, by name); `None` when every rate is a variable."""
+    if optimizer is None:
         return None
-    safe = find_safe_optimizer(optimizer)
-    inner = optimizer if safe is None else safe.inner_optimizer
-    try:
-        config = inner.get_config().get("learning_rate")
-    except Exception:  # a callable Keras cannot serialise
-        config = None
-    if isinstance(config, dict) and config.get("class_name"):
-        return str(config["class_name"])
-    return "a callable"
+    names = []
+    for sub, owner in rates.rate_owners(optimizer).items():
+        if isinstance(owner.learning_rate, keras.Variable):
+            continue
+        try:
+            config = owner.get_config().get("learning_rate")
+        except Exception:  # a callable Keras cannot serialise
+            config = None
+        name = "a callable"
+        if isinstance(config, dict) and config.get("class_name"):
+            name = str(config["class_name"])
+        names.append(f"{sub}: {name}" if sub else name)
+    return ", ".join(names) or None
 
 
 def not_lowered(optimizer: Any) -> str:

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import keras
 
+from keras_nanguard import _rates as rates
 from keras_nanguard._arguments import Arguments
 from keras_nanguard.safe_optimizer.adaptive_clip import MAX_UPDATE_RATIO
 
@@ -111,15 +112,19 @@ def check_with_inner(settings: Arguments, inner: keras.optimizers.Optimizer) -> 
     """Raises what `settings` cannot do with the optimizer `inner`: clip
     twice, back off a schedule, grade steps the inner optimizer sums, or
     bound and reset without the graded handling."""
-    check_clipping(inner, settings.clipnorm)
-    if settings.lr_backoff is not None and not isinstance(
-        inner.learning_rate, keras.Variable
-    ):
-        raise ValueError(
-            "`lr_backoff` needs the inner optimizer's learning rate to "
-            "be a float, not a schedule or a callable. Received: "
-            f"learning_rate={inner._learning_rate!r}"
-        )
+    owners = rates.rate_owners(inner)
+    for owner in {id(inner): inner, **{id(o): o for o in owners.values()}}.values():
+        check_clipping(owner, settings.clipnorm)
+    for sub, owner in owners.items():
+        if settings.lr_backoff is not None and not isinstance(
+            owner.learning_rate, keras.Variable
+        ):
+            which = f"sub-optimizer {sub!r}" if sub else "inner optimizer"
+            raise ValueError(
+                f"`lr_backoff` needs the {which}'s learning rate to be a "
+                "float, not a schedule or a callable. Received: "
+                f"learning_rate={owner._learning_rate!r}"
+            )
     clip, ratio, resets = (
         settings.clip,
         settings.max_update_ratio,
@@ -176,6 +181,16 @@ def resolve_inner(optimizer: Any, wrapper: type) -> keras.optimizers.Optimizer:
             "LossScaleOptimizer sees unscaled gradients. "
             f"Received: optimizer={optimizer!r}"
         )
+    if rates.is_multi(optimizer):
+        held = [o for o in optimizer.optimizers if isinstance(o, wrapper)]
+        if held:
+            raise ValueError(
+                "The MultiOptimizer's map holds SafeOptimizers: each would "
+                "guard its own variables, and a step could commit on some "
+                "and not others. Map plain optimizers, and wrap the "
+                "MultiOptimizer once: SafeOptimizer(MultiOptimizer(...)), one "
+                f"transaction over all of them. Received: {held!r}"
+            )
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
             "`optimizer` must be a `keras.optimizers.Optimizer` instance (Keras "

@@ -18,6 +18,7 @@ import keras
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard import _rates as rates
 from keras_nanguard._arguments import Arguments
 from keras_nanguard._backend import current as backend
 from keras_nanguard.flight.recorder import FlightRecorder
@@ -246,8 +247,12 @@ class GuardedStep:
         return restored, reset
 
     def _rate(self) -> Any:
-        """The learning rate this step runs at (backed off by `lr_scale`)."""
-        rate = ops.cast(self.inner.learning_rate, "float32")
+        """The learning rate this step runs at (backed off by `lr_scale`);
+        of a MultiOptimizer, the largest of its sub-optimizers' rates."""
+        owners = rates.rate_owners(self.inner).values()
+        rate = ops.cast(next(iter(owners)).learning_rate, "float32")
+        for owner in list(owners)[1:]:
+            rate = ops.maximum(rate, ops.cast(owner.learning_rate, "float32"))
         if self.settings.lr_backoff is None:
             return rate
         return rate * ops.cast(self.counters.lr_scale.value, "float32")
@@ -300,16 +305,20 @@ class GuardedStep:
         return clip, clipped
 
     def _update(self, update: Update, clip: Clip) -> None:
-        """The inner optimizer's update, at the backed-off learning rate when
-        `lr_backoff` is set (the base rate put back after it)."""
+        """The inner optimizer's update, at the backed-off learning rates
+        when `lr_backoff` is set (the base rates put back after it; each
+        sub-optimizer's of a MultiOptimizer)."""
         if self.settings.lr_backoff is None:
             update(clip)
             return
-        lr_var = self.inner.learning_rate
-        (base_lr,) = step_ops.snapshot([lr_var])
-        lr_var.assign(base_lr * ops.cast(self.counters.lr_scale.value, lr_var.dtype))
+        lr_vars = rates.rate_variables(self.inner)
+        base = step_ops.snapshot(lr_vars)
+        scale = self.counters.lr_scale.value
+        for lr_var, base_lr in zip(lr_vars, base, strict=True):
+            lr_var.assign(base_lr * ops.cast(scale, lr_var.dtype))
         update(clip)
-        lr_var.assign(base_lr)
+        for lr_var, base_lr in zip(lr_vars, base, strict=True):
+            lr_var.assign(base_lr)
 
     def _verdict(
         self, norm: Any, grads_ok: Any, update_ok: Any

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_nanguard import _rates as rates
 from keras_nanguard._backend import current as backend
 
 
@@ -50,8 +51,9 @@ def snapshot(variables: list[keras.Variable], buffers: list | None = None) -> li
 
 @contextlib.contextmanager
 def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
-    """TensorFlow: `inner`'s `assign_add`/`assign_sub` compute out of place
-    for the length of one step (its trace, in a compiled step).
+    """TensorFlow: `inner`'s `assign_add`/`assign_sub` (each sub-optimizer's
+    of a MultiOptimizer, which make its updates) compute out of place for
+    the length of one step (its trace, in a compiled step).
 
     While the rollback snapshot holds a reference to a variable's buffer,
     TensorFlow copies that buffer before any in-place update (copy-on-write):
@@ -59,26 +61,35 @@ def out_of_place_updates(inner: keras.optimizers.Optimizer) -> Iterator[None]:
     assigning it swaps buffers instead. Sparse updates (`IndexedSlices`) keep
     the inner optimizer's own path. Other backends: nothing changes.
     """
-    if not backend.COPIES_ON_WRITE or "assign_add" in vars(inner):
+    if not backend.COPIES_ON_WRITE:
         yield
         return
-    cls = type(inner)
-
-    def assign_add(variable: Any, value: Any) -> None:
-        if hasattr(value, "indices"):
-            return cls.assign_add(inner, variable, value)
-        return inner.assign(variable, variable + ops.cast(value, variable.dtype))
-
-    def assign_sub(variable: Any, value: Any) -> None:
-        if hasattr(value, "indices"):
-            return cls.assign_sub(inner, variable, value)
-        return inner.assign(variable, variable - ops.cast(value, variable.dtype))
-
-    inner.assign_add, inner.assign_sub = assign_add, assign_sub
+    owners = [
+        o for o in rates.rate_owners(inner).values() if "assign_add" not in vars(o)
+    ]
+    for owner in owners:
+        _patch(owner)
     try:
         yield
     finally:
-        del inner.assign_add, inner.assign_sub
+        for owner in owners:
+            del owner.assign_add, owner.assign_sub
+
+
+def _patch(optimizer: keras.optimizers.Optimizer) -> None:
+    cls = type(optimizer)
+
+    def assign_add(variable: Any, value: Any) -> None:
+        if hasattr(value, "indices"):
+            return cls.assign_add(optimizer, variable, value)
+        return optimizer.assign(variable, variable + ops.cast(value, variable.dtype))
+
+    def assign_sub(variable: Any, value: Any) -> None:
+        if hasattr(value, "indices"):
+            return cls.assign_sub(optimizer, variable, value)
+        return optimizer.assign(variable, variable - ops.cast(value, variable.dtype))
+
+    optimizer.assign_add, optimizer.assign_sub = assign_add, assign_sub
 
 
 def restore_unless(
@@ -97,10 +108,10 @@ def initial_moments(inner: keras.optimizers.Optimizer) -> dict[int, float]:
     rate starts from (a host read, once, when it is built): those a moment
     reset puts back. A variable that does not start from one value (none of
     Keras's) is left out."""
-    lr = inner.learning_rate
+    lrs = {id(v) for v in rates.rate_variables(inner)}
     found: dict[int, float] = {}
     for v in inner.variables:
-        if v is lr or not is_float_variable(v):
+        if id(v) in lrs or not is_float_variable(v):
             continue
         values = backend.eager_read(v)
         if values.size and (values == values.flat[0]).all():

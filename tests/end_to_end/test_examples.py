@@ -25,6 +25,7 @@ EXAMPLES = [
     "gan",
     "wgan_gp",
     "actor_critic",
+    "fine_tuning",
 ]
 FAULTS = [
     (name, fault)
