@@ -8,7 +8,7 @@ coarse history of the last `HISTORY_PROBES` probes (`flight_history`). No
 step reads anything back to the host: the rows are read at epoch ends, at
 incidents, on request (`FlightRecorder.read`) and when the recorder's alarm
 rings (decided on the device every step, see `ALARM_GROWTH`; the host polls
-a copy of it two steps later, `FlightRecorder.newest_alarm`, with no host
+a copy of it two calls later, `FlightRecorder.newest_alarm`, with no host
 call inside the step).
 
 Every step (nearly free: the gradient norms are the transaction's own sums

@@ -325,7 +325,7 @@ def _describe_logs(logs: dict[str, Any], bad: list[str]) -> str:
 #
 # The record is read on the training thread at steps 1, 2, 4, 8, then every
 # `probe_every` steps of the recorder, whenever the recorder's alarm rings (the
-# device decides it every step; the host polls a copy two steps later, see
+# device decides it every step; the host polls a copy two turns later, see
 # `FlightRecorder.newest_alarm`), at epoch ends and when asked
 # (`NaNGuard.explain`). A read due during an epoch does not wait for the
 # device: it copies the recorder's variables on the device and starts their

@@ -138,6 +138,24 @@ def check_with_inner(settings: Arguments, inner: keras.optimizers.Optimizer) -> 
             f"too. Received: clip=None, {given}="
             f"{ratio if given == 'max_update_ratio' else resets!r}"
         )
+    subs = list(owners.values()) if rates.is_multi(inner) else []
+    accumulating = [o.name for o in subs if o.gradient_accumulation_steps]
+    if accumulating:
+        raise ValueError(
+            "A SafeOptimizer decides on each batch's gradients, and these "
+            "sub-optimizers of the MultiOptimizer apply a sum of them every "
+            "few batches: the two cannot make one transaction. Set "
+            "`gradient_accumulation_steps` on none of them. Received: "
+            f"sub-optimizers with gradient_accumulation_steps: {accumulating}"
+        )
+    if resets is not None and any(o.use_ema for o in subs):
+        raise ValueError(
+            "`reset_moments` resets every variable of the inner optimizer but "
+            "its step counts and learning rates, which would wipe a "
+            "sub-optimizer's weight averages (`use_ema`) too. Received: "
+            f"reset_moments={resets}, use_ema on "
+            f"{[o.name for o in subs if o.use_ema]}"
+        )
     if clip is not None and inner.gradient_accumulation_steps:
         raise ValueError(
             '`clip="adaptive"` decides on each batch\'s gradients, and with '
@@ -151,6 +169,23 @@ def check_with_inner(settings: Arguments, inner: keras.optimizers.Optimizer) -> 
             "its step count and learning rate, which would wipe its weight "
             "averages (`use_ema`) too. Received: reset_moments="
             f"{resets}, use_ema={inner.use_ema}"
+        )
+
+
+def check_multi(optimizer: Any, wrapper: type) -> None:
+    """Refuses a MultiOptimizer whose sub-optimizers are `wrapper`s
+    (SafeOptimizers). A map given as a callable has its sub-optimizers once
+    it is built: `SafeOptimizer.build` checks again then."""
+    if not rates.is_multi(optimizer):
+        return
+    held = [o for o in optimizer.optimizers if isinstance(o, wrapper)]
+    if held:
+        raise ValueError(
+            "The MultiOptimizer's map holds SafeOptimizers: each would "
+            "guard its own variables, and a step could commit on some "
+            "and not others. Map plain optimizers, and wrap the "
+            "MultiOptimizer once: SafeOptimizer(MultiOptimizer(...)), one "
+            f"transaction over all of them. Received: {held!r}"
         )
 
 
@@ -181,16 +216,7 @@ def resolve_inner(optimizer: Any, wrapper: type) -> keras.optimizers.Optimizer:
             "LossScaleOptimizer sees unscaled gradients. "
             f"Received: optimizer={optimizer!r}"
         )
-    if rates.is_multi(optimizer):
-        held = [o for o in optimizer.optimizers if isinstance(o, wrapper)]
-        if held:
-            raise ValueError(
-                "The MultiOptimizer's map holds SafeOptimizers: each would "
-                "guard its own variables, and a step could commit on some "
-                "and not others. Map plain optimizers, and wrap the "
-                "MultiOptimizer once: SafeOptimizer(MultiOptimizer(...)), one "
-                f"transaction over all of them. Received: {held!r}"
-            )
+    check_multi(optimizer, wrapper)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
             "`optimizer` must be a `keras.optimizers.Optimizer` instance (Keras "

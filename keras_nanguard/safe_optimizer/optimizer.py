@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 from keras_nanguard import _kernels as kernels
+from keras_nanguard import _rates as rates
 from keras_nanguard._arguments import Arguments, ArgumentSpec, Check
 from keras_nanguard._backend import current as backend
 from keras_nanguard._validation import (
@@ -34,6 +35,7 @@ from keras_nanguard.safe_optimizer.counters import (
     variable_names,
 )
 from keras_nanguard.safe_optimizer.inner import (
+    check_multi,
     check_with_inner,
     forwarded,
     refuse_unknown,
@@ -315,6 +317,10 @@ class SafeOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         var_list = list(var_list)
         self._step.build(var_list)  # the inner optimizer's build too
+        if rates.is_multi(self.inner_optimizer):
+            # A map given as a callable has its sub-optimizers only now.
+            check_multi(self.inner_optimizer, SafeOptimizer)
+            check_with_inner(self._settings, self.inner_optimizer)
         if self._recording and self._recorder.ring is None:  # after the window
             self._recorder.build(self, var_list)
         settings = self._settings

@@ -91,7 +91,7 @@ def test_no_device_read_per_step_between_snapshots(monkeypatch):
     # thread; and one per read of the flight recorder, at steps 1, 2, 4, 8,
     # 16 and 32 (then every 16), and one per read its alarm asked for (SGD
     # 0.05's first update-to-weight ratios, about 0.07, are above the
-    # alarm's 0.05: the host hears of it from a copy two steps later, once
+    # alarm's 0.05: the host hears of it from a copy two turns later, once
     # or twice in this run); none otherwise. The counters are never read:
     # every step logs the exact total.
     alarms = guard._flight.alarm_reads
