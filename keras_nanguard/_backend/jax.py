@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -128,10 +129,25 @@ def live_value(variable: keras.Variable, model: Any) -> Tensor | None:
     values = state.get("optimizer_variables")
     if optimizer is None or not values:
         return None
-    ids = [id(v) for v in optimizer.variables]
-    if id(variable) not in ids or len(ids) != len(values):
+    index = _index_in(optimizer, variable)
+    if index is None or len(values) != len(optimizer.variables):
         return None
-    return values[ids.index(id(variable))]
+    return values[index]
+
+
+# The place of a variable in an optimizer's `variables`, found once (polled
+# at every turn of NaNGuard, the hot path); fixed once the optimizer is built.
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _index_in(optimizer: Any, variable: keras.Variable) -> int | None:
+    found = _INDEXES.setdefault(optimizer, {})
+    if id(variable) not in found:
+        ids = [id(v) for v in optimizer.variables]
+        if id(variable) not in ids:
+            return None  # not this optimizer's (not cached: it may be built later)
+        found[id(variable)] = ids.index(id(variable))
+    return found[id(variable)]
 
 
 def extra_forward_state(model: keras.Model) -> list[Tensor]:

@@ -115,7 +115,7 @@ class Responses:
         )
         if lowered:
             inc.learning_rate = next(iter(lowered.values()))
-            inc.action = "lowered the" + lowered_words(lowered)[1:]
+            inc.action = "lowered the" + lowered_words(lowered).removeprefix(",")
         else:
             inc.action = "recorded" + not_lowered(optimizer)
 

@@ -113,7 +113,7 @@ def check_with_inner(settings: Arguments, inner: keras.optimizers.Optimizer) -> 
     twice, back off a schedule, grade steps the inner optimizer sums, or
     bound and reset without the graded handling."""
     owners = rates.rate_owners(inner)
-    for owner in {id(inner): inner, **{id(o): o for o in owners.values()}}.values():
+    for owner in [inner, *(o for o in owners.values() if o is not inner)]:
         check_clipping(owner, settings.clipnorm)
     for sub, owner in owners.items():
         if settings.lr_backoff is not None and not isinstance(

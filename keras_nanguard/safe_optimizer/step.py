@@ -249,10 +249,13 @@ class GuardedStep:
     def _rate(self) -> Any:
         """The learning rate this step runs at (backed off by `lr_scale`);
         of a MultiOptimizer, the largest of its sub-optimizers' rates."""
-        owners = rates.rate_owners(self.inner).values()
-        rate = ops.cast(next(iter(owners)).learning_rate, "float32")
-        for owner in list(owners)[1:]:
-            rate = ops.maximum(rate, ops.cast(owner.learning_rate, "float32"))
+        first, *others = [
+            ops.cast(owner.learning_rate, "float32")
+            for owner in rates.rate_owners(self.inner).values()
+        ]
+        rate = first
+        for other in others:
+            rate = ops.maximum(rate, other)
         if self.settings.lr_backoff is None:
             return rate
         return rate * ops.cast(self.counters.lr_scale.value, "float32")

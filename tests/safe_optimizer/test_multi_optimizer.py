@@ -107,14 +107,21 @@ def test_clean_training_is_bit_identical_to_the_bare_multi_optimizer(how):
         assert int(opt.skipped_steps) == 0 and int(opt.iterations) == 16
 
 
-def test_a_non_finite_gradient_of_one_sub_optimizer_moves_no_sub_optimizer():
-    model = _model()
+def _after_a_clean_step():
+    """A SafeOptimizer over `_multi()` that has applied gradients of ones
+    (both sub-optimizers moved): it, the MultiOptimizer, the variables and
+    those gradients."""
     multi = _multi()
     opt = ng.SafeOptimizer(multi)
-    variables = model.trainable_variables
+    variables = _model().trainable_variables
     opt.build(variables)
     ones = [keras.ops.ones_like(v.value) for v in variables]
-    opt.apply(ones, variables)  # a clean step: both sub-optimizers move
+    opt.apply(ones, variables)
+    return opt, multi, variables, ones
+
+
+def test_a_non_finite_gradient_of_one_sub_optimizer_moves_no_sub_optimizer():
+    opt, multi, variables, ones = _after_a_clean_step()
     weights, state = numpy(variables), _sub_state(multi)
     bad = list(ones)
     bad[0] = keras.ops.full_like(variables[0].value, np.nan)  # the backbone's kernel
@@ -127,13 +134,7 @@ def test_a_non_finite_gradient_of_one_sub_optimizer_moves_no_sub_optimizer():
 
 
 def test_a_non_finite_update_of_one_sub_optimizer_moves_no_sub_optimizer():
-    model = _model()
-    multi = _multi()
-    opt = ng.SafeOptimizer(multi)
-    variables = model.trainable_variables
-    opt.build(variables)
-    grads = [keras.ops.ones_like(v.value) for v in variables]
-    opt.apply(grads, variables)
+    opt, multi, variables, grads = _after_a_clean_step()
     weights, state = numpy(variables), _sub_state(multi)
     head = multi.optimizers[0]
     assert isinstance(head, keras.optimizers.SGD)
