@@ -437,7 +437,7 @@ class FlightRecorder:
         # without probing (a jump of its gradient norm).
         steps = self.steps.value
         last = ops.mod(steps - 1 + RING_STEPS, RING_STEPS)
-        probed = self.ring.value[last, COLUMN["probe"]] > 0
+        probed = _probe_cell(self.ring, last) > 0
         return ops.logical_or(
             ops.mod(steps, self.probe_every) == 0,
             ops.logical_and(
@@ -451,7 +451,7 @@ class FlightRecorder:
         steps (the last `_probe_due`), else read from the row."""
         if backend.executing_eagerly(self.steps):
             return self._last_probe
-        return self.ring.value[at, COLUMN["probe"]] > 0
+        return _probe_cell(self.ring, at) > 0
 
     # ----------------------------------------------------- after the step
     def observe(
@@ -515,6 +515,14 @@ class FlightRecorder:
             "ring": kernels.from_finite(ring_rows.reshape(-1, ring.shape[1])),
             "history": kernels.from_finite(history_rows.reshape(-1, history.shape[1])),
         }
+
+
+def _probe_cell(ring: keras.Variable, row: Any) -> Any:
+    """The probe column of `ring` at a row known on the device only: a
+    gather, not `ring[row, col]` (on TensorFlow a strided slice, whose begin
+    XLA needs as a constant: it made the step counter a compile-time
+    constant, and a `jit_compile=True` step recompiled at every call)."""
+    return ops.take(ring.value[:, COLUMN["probe"]], row)
 
 
 def _input_max(inputs: Any) -> list[Any]:

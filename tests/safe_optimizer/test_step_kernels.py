@@ -1,8 +1,11 @@
 """The fixed cost of a SafeOptimizer step, counted exactly: on JAX the host
 callbacks and the kernels (XLA fusions) of one compiled train step, on torch
-the graphs and graph breaks Dynamo makes of a `jit_compile=True` step (a host
+the graphs and graph breaks Dynamo makes of a `jit_compile=True` step, on
+TensorFlow the XLA program of a `jit_compile=True` step, the same at every
+step (the recorder's step counter read as a compile-time constant made each
+step compile again, about 1 s on a small model). (A host
 callback under a `cond` in every JAX step, even one that never fired, made a
-small model's step 3x slower, and no timing saw it)."""
+small model's step 3x slower, and no timing saw it.)"""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from tests.helpers import BACKEND
 
 jax_only = pytest.mark.skipif(BACKEND != "jax", reason="XLA's compiled text")
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="Dynamo's graphs")
+tensorflow_only = pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="TensorFlow's XLA clusters"
+)
 
 # A host call from a compiled step: `io_callback`, `pure_callback`,
 # `jax.debug.print`/`callback` (each is a custom call into Python).
@@ -150,3 +156,36 @@ def test_a_compiled_torch_step_breaks_only_where_keras_s_does():
         ng.SafeOptimizer(keras.optimizers.Adam(1e-3)), [ng.NaNGuard(verbose=0)]
     )
     assert attached == (5, backward)
+
+
+@tensorflow_only
+@pytest.mark.parametrize("recorder", [False, True])
+def test_an_xla_step_is_the_same_program_at_every_step(recorder):
+    # The GradientTape loop of Keras's guide, in `tf.function(jit_compile=
+    # True)` (what `fit` compiles on a GPU, jit_compile="auto"). XLA takes
+    # a variable that an op needs as a constant into the program, by value:
+    # a program that differs from one step to the next is compiled again.
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)]
+    )
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-3), flight_recorder=recorder)
+    opt.build(model.trainable_variables)
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+        return loss
+
+    x, y = tf.constant(X), tf.constant(Y)
+    programs = []
+    for _ in range(3):
+        programs.append(step.experimental_get_compiler_ir(x, y)(stage="hlo"))
+        step(x, y)
+    assert int(opt.iterations) == 3
+    assert programs[0] == programs[1] == programs[2]
