@@ -28,6 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras
 import numpy as np
 import tensorflow as tf
+from _stats import ratio_summary  # this folder is on sys.path
 
 import keras_nanguard as ng
 
@@ -78,19 +79,14 @@ def main() -> None:
                 loss = step(x, y)
             loss.numpy()
             times[arm].append((time.perf_counter() - start) / args.steps * 1e3)
-    ratios = [s / p for s, p in zip(times["safe"], times["plain"], strict=True)]
 
-    def cell(values: list[float], digits: int) -> str:
-        return (
-            f"{np.median(values):.{digits}f} "
-            f"[{min(values):.{digits}f}, {max(values):.{digits}f}]"
-        )
+    def ms(values: list[float]) -> str:
+        return f"{np.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
 
+    ratio = ratio_summary(times["safe"], times["plain"], digits=2)
     print("| plain ms/step | safe ms/step | safe / plain |")
     print("|---|---|---|")
-    print(
-        f"| {cell(times['plain'], 2)} | {cell(times['safe'], 2)} | {cell(ratios, 2)} |"
-    )
+    print(f"| {ms(times['plain'])} | {ms(times['safe'])} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ the inner optimizer's variables, the weights it is handed, and the
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -249,13 +250,13 @@ class GuardedStep:
     def _rate(self) -> Any:
         """The learning rate this step runs at (backed off by `lr_scale`);
         of a MultiOptimizer, the largest of its sub-optimizers' rates."""
-        first, *others = [
-            ops.cast(owner.learning_rate, "float32")
-            for owner in rates.rate_owners(self.inner).values()
-        ]
-        rate = first
-        for other in others:
-            rate = ops.maximum(rate, other)
+        rate = functools.reduce(
+            ops.maximum,
+            [
+                ops.cast(owner.learning_rate, "float32")
+                for owner in rates.rate_owners(self.inner).values()
+            ],
+        )
         if self.settings.lr_backoff is None:
             return rate
         return rate * ops.cast(self.counters.lr_scale.value, "float32")
