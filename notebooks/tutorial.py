@@ -9,6 +9,7 @@ notebook makes is checked by an ordinary test running the same code.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -22,8 +23,16 @@ def _import_tensorflow_quietly() -> None:
     """TensorFlow's start-up notes (oneDNN, CPU features) go to the process's
     stderr through absl before TF_CPP_MIN_LOG_LEVEL applies; in a notebook
     they would open the first cell's output. Only the C++ stream is silenced,
-    and only while importing: a failing import still raises as usual."""
-    if os.environ["KERAS_BACKEND"] != "tensorflow" or "tensorflow" in sys.modules:
+    and only while importing: a failing import still raises as usual. On
+    another backend too, where TensorFlow is installed: Keras imports it
+    there as well (`keras.utils.set_random_seed` seeds it)."""
+    import importlib.util
+
+    if "tensorflow" in sys.modules:
+        return
+    if os.environ["KERAS_BACKEND"] != "tensorflow" and not importlib.util.find_spec(
+        "tensorflow"
+    ):
         return
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -44,6 +53,28 @@ from keras import ops  # noqa: E402
 
 import keras_nanguard as ng  # noqa: E402
 from keras_nanguard.demo import mlp  # noqa: E402
+
+# The lengths of the notebooks' runs. A reader's run uses these; the tests
+# pass shorter ones in (NANGUARD_TUTORIAL_SETTINGS, JSON, read at import)
+# and assert the notebooks' claims on that run.
+SETTINGS: dict[str, int] = {
+    "sweep_steps_gpt": 600,  # each run of 05_learning_rate's sweep, per task
+    "sweep_steps_digits": 600,
+}
+
+
+def _settings(given: str) -> dict[str, int]:
+    chosen = json.loads(given)
+    unknown = sorted(set(chosen) - set(SETTINGS))
+    if unknown:
+        raise ValueError(
+            f"NANGUARD_TUTORIAL_SETTINGS: names must be among {sorted(SETTINGS)}. "
+            f"Received: {unknown}"
+        )
+    return {**SETTINGS, **{k: int(v) for k, v in chosen.items()}}
+
+
+SETTINGS = _settings(os.environ.get("NANGUARD_TUTORIAL_SETTINGS", "{}"))
 
 GAMMA = 0.99
 SOLVED = 195.0  # running reward that counts as "solved" for CartPole-v1
@@ -499,31 +530,33 @@ def learning_rate_sweep(
     tasks: str = "gpt,digits",
     arms: str = "clipnorm,zclip,adaptive",
     rates: tuple[float, ...] = (1e-2, 1e-1, 1.0),
-    steps: int = 600,
     seeds: str = "0",
 ) -> dict:
     """A reduced run of `benchmarks/bench_stable_lr.py` (the repository's
-    learning-rate sweep; it trains on JAX, so it runs in a process of its own
-    whatever this kernel's backend): its summary per task and arm, with the
-    rates, as the benchmark's `--json` writes them."""
-    import json
-    import subprocess
-    import tempfile
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "benchmarks", "bench_stable_lr.py")
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "sweep.json")
-        args = ["--tasks", tasks, "--arms", arms, "--seeds", seeds]
-        args += ["--steps", str(steps), "--json", out]
-        args += ["--rates", ",".join(f"{r:g}" for r in rates)]
-        done = subprocess.run(
-            [sys.executable, script, *args], env=env, capture_output=True, text=True
+    learning-rate sweep), in this process, with the benchmark's own JAX
+    loop: its summary per task and arm, with the rates, as the benchmark's
+    `--json` writes them. Each run is `SETTINGS["sweep_steps_<task>"]` steps
+    long."""
+    if keras.backend.backend() != "jax":
+        raise RuntimeError(
+            "The learning-rate sweep trains with the benchmark's JAX loop: "
+            "set KERAS_BACKEND=jax before importing tutorial (the notebook's "
+            f"first cell does). Received: backend {keras.backend.backend()!r}"
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"the sweep failed:\n{done.stderr[-3000:]}")
-        with open(out) as f:
-            found = json.load(f)
-    return {"rates": found["rates"], **found["summary"]}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    import bench_stable_lr as bench
+
+    rate_list = [float(r) for r in rates]
+    summary = {}
+    for task in tasks.split(","):
+        found = bench.sweep(
+            [task],
+            arms.split(","),
+            rate_list,
+            [int(s) for s in seeds.split(",")],
+            SETTINGS[f"sweep_steps_{task}"],
+            lambda line: None,
+        )
+        summary[task] = bench.summarize(found[task], rate_list)
+    return {"rates": rate_list, **summary}

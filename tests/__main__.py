@@ -21,6 +21,12 @@ is among `--backends` (TensorFlow's run already carries the notebooks),
 else the first listed; the other backends skip them
 (NANGUARD_SKIP_BACKEND_FREE=1, see tests/conftest.py).
 
+The notebooks (`-m notebooks`, minutes of training in their own Jupyter
+kernels) are a job of their own beside the backends when the whole suite
+runs (TensorFlow among `--backends`, no `-m`, `-k` or paths among the pytest
+args): TensorFlow's suite is the longest, and with them in it the other job
+waited minutes for it. The jobs start longest first (`_jobs`).
+
 `--fast`: a quick local run, not the whole check: pytest with
 `-m "not slow and not notebooks"` (no long scenarios, no notebook
 execution), on TensorFlow only unless `--backends` is given; a `-m` among
@@ -42,6 +48,27 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 BACKENDS = ("tensorflow", "jax", "torch")
 BACKEND_FREE_ON = ("jax", "torch", "tensorflow")  # the first one present
 FAST_MARKERS = "not slow and not notebooks"
+
+
+def _split_notebooks(backends: list[str], pytest_args: list[str]) -> bool:
+    """Whether the notebooks run as a job of their own: the whole suite is
+    asked for (only long options, no `-m`/`-k` selection, no paths), with
+    TensorFlow (the kernels of notebooks 01-04 use it)."""
+    whole = all(a.startswith("--") for a in pytest_args)
+    return whole and "tensorflow" in backends
+
+
+def _jobs(backends: list[str], pytest_args: list[str]) -> list[tuple[str, str, list]]:
+    """(name, backend, pytest args) per pytest process, in the order they
+    start: the longest first (a 2-core VM, 2026-12-07: TensorFlow without the
+    notebooks ~850 s, JAX ~710 s, the notebooks ~450 s, torch ~320 s)."""
+    if not _split_notebooks(backends, pytest_args):
+        return [(b, b, pytest_args) for b in backends]
+    tensorflow = ("tensorflow", "tensorflow", ["-m", "not notebooks", *pytest_args])
+    notebooks = ("notebooks", "tensorflow", ["-m", "notebooks", *pytest_args])
+    jax = [("jax", "jax", pytest_args)] if "jax" in backends else []
+    torch = [("torch", "torch", pytest_args)] if "torch" in backends else []
+    return [tensorflow, *jax, notebooks, *torch]
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -125,30 +152,31 @@ def main() -> int:
     if not args.no_lint:
         failures += _lint()
         phases.append(f"lint and docs {time.perf_counter() - start:.0f} s")
-    jobs = min(args.jobs, len(backends))
+    jobs = _jobs(backends, pytest_args)
+    slots = min(args.jobs, len(jobs))
     free_on = next(b for b in BACKEND_FREE_ON if b in backends)
     print(
-        f"\npytest on {', '.join(backends)}, {jobs} at a time; "
+        f"\npytest: {', '.join(name for name, _, _ in jobs)}, {slots} at a time; "
         f"backend_free tests on {free_on} only",
         flush=True,
     )
-    with ThreadPoolExecutor(jobs) as pool:
-        capture = jobs > 1  # one at a time: streamed
+    with ThreadPoolExecutor(slots) as pool:
+        capture = slots > 1  # one at a time: streamed
         runs = {
-            pool.submit(_pytest, b, pytest_args, capture, b == free_on): b
-            for b in backends
+            pool.submit(_pytest, b, args_, capture, name == free_on): (name, b)
+            for name, b, args_ in jobs
         }
         for run in as_completed(runs):
-            backend, (code, output, seconds) = runs[run], run.result()
-            print(f"\n{output}[{backend}] pytest exit code {code} in {seconds:.0f} s")
-            phases.append(f"{backend} {seconds:.0f} s")
+            (name, backend), (code, output, seconds) = runs[run], run.result()
+            print(f"\n{output}[{name}] pytest exit code {code} in {seconds:.0f} s")
+            phases.append(f"{name} {seconds:.0f} s")
             sys.stdout.flush()
             if code != 0:  # 5 = no tests collected: a failure too
                 failures.append(
-                    f"pytest under KERAS_BACKEND={backend} (exit code {code})"
+                    f"pytest {name} under KERAS_BACKEND={backend} (exit code {code})"
                 )
     print(f"\nThe whole check took {time.perf_counter() - start:.0f} s.")
-    print("Phases: " + "; ".join(phases) + f" ({jobs} backends at a time).")
+    print("Phases: " + "; ".join(phases) + f" ({slots} at a time).")
     if failures:
         print("\nFAILED: " + "; ".join(failures))
         return 1

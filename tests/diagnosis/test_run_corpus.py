@@ -3,7 +3,7 @@ fates (`notebooks/run_corpus.py`): each diverging run is explained by its
 cause, each healthy run is `healthy`, and the warning comes before the first
 bad step in at least 80% of the diverging runs and never in a healthy one.
 
-Each run trains once per session (`_result`); the per-run tests and the
+Each run trains once per session (`_run`); the per-run tests and the
 corpus-wide figures read the same runs."""
 
 import pytest
@@ -14,24 +14,26 @@ from keras_nanguard.flight import RUN_CAUSES
 DIVERGING = [n for n, r in corpus.RUNS.items() if r.cause not in ("healthy", "stalled")]
 STALLED = [n for n, r in corpus.RUNS.items() if r.cause == "stalled"]
 HEALTHY = [n for n, r in corpus.RUNS.items() if r.cause == "healthy"]
-_RESULTS: dict = {}
+_RUNS: dict = {}
+
+
+def _run(name):
+    """(the run's NaNGuard, its model) of run `name`, trained once per session."""
+    if name not in _RUNS:
+        models = []
+        guard = corpus.run(name, model_out=models)
+        _RUNS[name] = (guard, models[0])
+    return _RUNS[name]
 
 
 def _result(name):
     """(diagnosis, the warning's diagnosis or None) of run `name`."""
-    if name not in _RESULTS:
-        guard = corpus.run(name)
-        warnings = [
-            i
-            for i in guard.incidents
-            if i.kind in ("divergence_warning", "stall_warning")
-        ]
-        assert len(warnings) <= 1  # once per fit
-        _RESULTS[name] = (
-            guard.explain(),
-            warnings[0].diagnosis if warnings else None,
-        )
-    return _RESULTS[name]
+    guard, _ = _run(name)
+    warnings = [
+        i for i in guard.incidents if i.kind in ("divergence_warning", "stall_warning")
+    ]
+    assert len(warnings) <= 1  # once per fit
+    return guard.explain(), warnings[0].diagnosis if warnings else None
 
 
 def test_the_corpus_covers_every_cause():
@@ -61,10 +63,9 @@ def test_a_stalled_run_is_said_stalled_and_warned_as_a_stall(name):
 def test_a_confident_classifier_trained_to_100_percent_is_healthy():
     from keras import ops
 
-    models = []
-    guard = corpus.run("healthy_confident_classifier", model_out=models)
+    guard, model = _run("healthy_confident_classifier")  # the healthy runs' own
     x, y = corpus._digits()
-    probs = ops.convert_to_numpy(models[0](x))
+    probs = ops.convert_to_numpy(model(x))
     assert (probs.argmax(axis=1) == y).mean() == 1.0
     assert probs.min() < 1e-14  # as confident as the issue's report
     assert guard.explain().cause == "healthy"

@@ -2,8 +2,16 @@
 on the figures of that very run: each notebook is executed once (in a Jupyter
 kernel, as a reader runs it), then one extra cell, not stored, prints what its
 claims need (`FIGURES`), and the `test_*_claims` tests assert those claims.
-The notebooks' code lives in `notebooks/tutorial.py`. TensorFlow backend only:
-the notebooks' custom loops use `tf.GradientTape`, as the user's code does."""
+The notebooks' code lives in `notebooks/tutorial.py`. Run from the TensorFlow
+backend's pytest (`python -m tests` makes them a job of their own): notebooks
+01-04's custom loops use `tf.GradientTape`, as the user's code does; 05 sets
+its kernel to JAX (its sweep is the benchmark's JAX loop).
+
+The runs are shorter than a reader's where a claim holds as well on the
+shorter run (`SETTINGS`, passed to the kernels as NANGUARD_TUTORIAL_SETTINGS
+and read by `tutorial.SETTINGS`): 05's GPT trains 300 steps per run, not
+600 (its digits' BatchNormalization statistics need the 600: at 300 the
+held-out loss is 4-6 at every rate)."""
 
 import dataclasses
 import json
@@ -30,6 +38,7 @@ pytestmark = [
 
 # TensorFlow's start-up lines; none may reach a notebook's outputs.
 NOISE = ("oneDNN", "cpu_feature_guard", "absl::InitializeLog", "TF_ENABLE_ONEDNN")
+SETTINGS = {"sweep_steps_gpt": 300}  # the tests' runs (see the docstring)
 MAX_BYTES = 400_000  # a notebook with its figures: small PNGs, no embedded data
 
 # Per notebook, what its claims tests read from the executed kernel: a name and
@@ -84,7 +93,7 @@ FIGURES = {
         " warned=[i.diagnosis.at_step for i in g.incidents"
         " if i.kind == 'divergence_warning']) for n, g in diverged.items()}",
     },
-    "05_learning_rate.ipynb": {"sweep": "sweep"},
+    "05_learning_rate.ipynb": {"sweep": "sweep", "settings": "tutorial.SETTINGS"},
 }
 
 _PRELUDE = {
@@ -132,24 +141,28 @@ def _check_outputs(nb, name):
             assert not noise, f"{name}: {noise} in {text[:300]!r}"
 
 
-def kernel_env():
+def kernel_env(settings=None):
     """The kernel's environment: this checkout's package first (not another
     installed copy), TensorFlow quiet, Jupyter's inline figures (no backend
-    forced from outside)."""
+    forced from outside), and `settings` (tutorial.SETTINGS's) when given."""
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
     )
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     env["KERAS_BACKEND"] = "tensorflow"
+    env.pop("NANGUARD_TUTORIAL_SETTINGS", None)
+    if settings is not None:
+        env["NANGUARD_TUTORIAL_SETTINGS"] = json.dumps(settings)
     return env
 
 
-def execute(path, figures=None):
+def execute(path, figures=None, settings=None):
     """The notebook at `path`, executed in a fresh Jupyter kernel from
     `notebooks/`, as a reader would run it. With `figures` (a cell's source),
     that cell runs last, in the same kernel, and `(notebook, its stdout)` is
-    returned; the cell is not left in the notebook."""
+    returned; the cell is not left in the notebook. `settings`: the runs'
+    lengths (`tutorial.SETTINGS`); a reader's when None."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -163,7 +176,9 @@ def execute(path, figures=None):
         resources={"metadata": {"path": NOTEBOOKS}},
         record_timing=False,  # no timestamps in the committed files
     )
-    client.execute(env=kernel_env())  # raises CellExecutionError on a failing cell
+    client.execute(
+        env=kernel_env(settings)
+    )  # raises CellExecutionError on a failing cell
     if figures is None:
         return nb
     extra = nb.cells.pop()
@@ -183,7 +198,9 @@ def executed(name):
     the kernel after the notebook's own cells."""
     if name not in _EXECUTED:
         try:
-            nb, stdout = execute(os.path.join(NOTEBOOKS, name), _figures_cell(name))
+            nb, stdout = execute(
+                os.path.join(NOTEBOOKS, name), _figures_cell(name), SETTINGS
+            )
             lines = [ln for ln in stdout.splitlines() if ln.startswith(_MARK)]
             assert len(lines) == 1, f"{name}: no figures in {stdout[-500:]!r}"
             _EXECUTED[name] = (nb, json.loads(lines[0][len(_MARK) :]))
@@ -338,7 +355,9 @@ def test_critic_claims():
 
 
 def test_learning_rate_claims():
-    sweep = executed("05_learning_rate.ipynb")[1]["sweep"]
+    figures = executed("05_learning_rate.ipynb")[1]
+    assert figures["settings"] == {"sweep_steps_gpt": 300, "sweep_steps_digits": 600}
+    sweep = figures["sweep"]
     assert sweep["rates"] == [0.01, 0.1, 1.0]
     gpt, digits = sweep["gpt"], sweep["digits"]
     # "the GPT ... at a rate of 1 within 10% of its best loss", clipping not
