@@ -544,7 +544,9 @@ def learning_rate_sweep(
             f"first cell does). Received: backend {keras.backend.backend()!r}"
         )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    benchmarks = os.path.join(root, "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
     import bench_stable_lr as bench
 
     rate_list = [float(r) for r in rates]

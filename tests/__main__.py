@@ -20,7 +20,7 @@ fails the run.
 
 Tests marked `backend_free` (NumPy and pure-Python code, argument checks
 that raise before any tensor exists) run under one backend only: JAX when it
-is among `--backends` (TensorFlow's run already carries the notebooks),
+is among `--backends` (TensorFlow's is the longest job),
 else the first listed; the other backends skip them
 (NANGUARD_SKIP_BACKEND_FREE=1, see tests/conftest.py).
 

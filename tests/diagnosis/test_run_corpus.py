@@ -18,22 +18,25 @@ _RUNS: dict = {}
 
 
 def _run(name):
-    """(the run's NaNGuard, its model) of run `name`, trained once per session."""
+    """(the run's NaNGuard, its model, its diagnosis, the warning's diagnosis
+    or None) of run `name`, trained and explained once per session."""
     if name not in _RUNS:
         models = []
         guard = corpus.run(name, model_out=models)
-        _RUNS[name] = (guard, models[0])
+        warnings = [
+            i
+            for i in guard.incidents
+            if i.kind in ("divergence_warning", "stall_warning")
+        ]
+        assert len(warnings) <= 1  # once per fit
+        warned = warnings[0].diagnosis if warnings else None
+        _RUNS[name] = (guard, models[0], guard.explain(), warned)
     return _RUNS[name]
 
 
 def _result(name):
     """(diagnosis, the warning's diagnosis or None) of run `name`."""
-    guard, _ = _run(name)
-    warnings = [
-        i for i in guard.incidents if i.kind in ("divergence_warning", "stall_warning")
-    ]
-    assert len(warnings) <= 1  # once per fit
-    return guard.explain(), warnings[0].diagnosis if warnings else None
+    return _run(name)[2:]
 
 
 def test_the_corpus_covers_every_cause():
@@ -63,7 +66,7 @@ def test_a_stalled_run_is_said_stalled_and_warned_as_a_stall(name):
 def test_a_confident_classifier_trained_to_100_percent_is_healthy():
     from keras import ops
 
-    guard, model = _run("healthy_confident_classifier")  # the healthy runs' own
+    guard, model, _, _ = _run("healthy_confident_classifier")  # the healthy runs' own
     x, y = corpus._digits()
     probs = ops.convert_to_numpy(model(x))
     assert (probs.argmax(axis=1) == y).mean() == 1.0
