@@ -11,9 +11,7 @@ which the pinned docs tools do not support).
 Each backend runs in its own process (Keras picks its backend at import),
 `--jobs` of them at a time (default: one per CPU core, at most 3; on a
 2-core VM the whole check took 1666 s, against 2602 s with `--jobs 1`;
-from a clean clone on 2026-12-07, `.ci/run`: install 103 s, lint and docs
-26 s, TensorFlow 845 s then torch 317 s beside JAX 662 s then the
-notebooks 370 s, 1291 s in all).
+each job's time today: `_jobs`).
 With more than one at a time, each backend's output is printed whole when
 it ends. Any failure, and also pytest's exit code 5 ("no tests collected"),
 fails the run.
