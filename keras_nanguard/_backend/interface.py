@@ -138,6 +138,12 @@ class Backend(Protocol):
         """Whether the code running now is eager (not traced or compiled)."""
         ...
 
+    def discarded_if_building(self) -> bool:
+        """Whether a step traced now that makes variables is traced again
+        before it runs, its first trace never run (TensorFlow, inside a
+        `tf.function`): the optimizer's build is all that trace needs."""
+        ...
+
     def index_table(
         self, values: tuple[int, ...], like: keras.Variable, cache: dict
     ) -> Any:

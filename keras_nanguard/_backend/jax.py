@@ -162,6 +162,10 @@ def executing_eagerly(probe: keras.Variable) -> bool:
     return not isinstance(ops.convert_to_tensor(probe), jax.core.Tracer)
 
 
+def discarded_if_building() -> bool:
+    return False  # traced once: what is traced runs
+
+
 def index_table(values: tuple[int, ...], like: keras.Variable, cache: dict) -> Any:
     return np.array(values, "int32")
 

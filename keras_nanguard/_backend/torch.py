@@ -184,6 +184,10 @@ def executing_eagerly(probe: keras.Variable) -> bool:
     return not torch.compiler.is_compiling()
 
 
+def discarded_if_building() -> bool:
+    return False  # traced once: what is traced runs
+
+
 def index_table(values: tuple[int, ...], like: keras.Variable, cache: dict) -> Any:
     """A tensor on `like`'s device, made once in eager steps (no host copy
     per step) and a constant of the graph in compiled ones (a NumPy array

@@ -444,6 +444,7 @@ class SafeOptimizer(keras.optimizers.Optimizer):
         grads = list(grads)
         if not grads:
             return
+        building = not self.built
         variables = self._variables_to_update(trainable_variables)
         if len(grads) != len(variables):
             raise ValueError(
@@ -452,6 +453,17 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"len(trainable_variables)={len(variables)}"
             )
         self._model_transaction.step_begins(variables)
+        if (
+            building
+            and backend.discarded_if_building()
+            and not self._model_transaction.attached
+            and self._quarantined_batch is None
+        ):
+            # TensorFlow traces a step that makes variables twice and runs
+            # the second trace only: tracing the transaction in the first
+            # too made a small model's first `fit` 1.5x as long
+            # (benchmarks/bench_first_fit.py).
+            return
         self._step.apply(grads, variables)
         batch, self._quarantined_batch = self._quarantined_batch, None
         if batch is not None:

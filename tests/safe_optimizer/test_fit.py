@@ -239,6 +239,75 @@ def test_custom_loop_eager_and_compiled():
     assert float(ops.convert_to_numpy(opt.last_grad_norm)) > 0
 
 
+def _traced_steps(monkeypatch):
+    """A list that gets one entry per `GuardedStep._run` traced in a graph
+    (TensorFlow: inside a `tf.function`)."""
+    import tensorflow as tf
+
+    from keras_nanguard.safe_optimizer.step import GuardedStep
+
+    traced, run = [], GuardedStep._run
+
+    def counted(self, *args, **kwargs):
+        if tf.inside_function():
+            traced.append(1)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(GuardedStep, "_run", counted)
+    return traced
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's two traces")
+@pytest.mark.parametrize("built", [False, True], ids=["built_in_the_step", "built"])
+def test_a_tf_function_step_traces_the_transaction_once(monkeypatch, built):
+    """A `tf.function` that makes variables is traced twice, and only its
+    second trace runs: the optimizer's build is all the first one does
+    (its transaction is traced once). The first step is the transaction's
+    all the same: a poisoned first batch is rejected and counted, and the
+    weights are bit-identical to those of an optimizer built beforehand."""
+    import tensorflow as tf
+
+    x, y = _data(64)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    batches[0] = (ng.faults.poison(batches[0][0], rows=[0]), batches[0][1])
+    weights = []
+    for prebuild in (True, built):
+        model = _model()
+        opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2))
+        if prebuild:
+            opt.build(model.trainable_variables)
+        traced = _traced_steps(monkeypatch)
+
+        @tf.function
+        def step(xb, yb, model=model, opt=opt):
+            with tf.GradientTape() as tape:
+                loss = LOSS(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+            return loss
+
+        for xb, yb in batches:
+            step(tf.constant(xb), tf.constant(yb))
+        assert len(traced) == 1
+        assert opt.counters()["skipped_steps"] == 1
+        assert opt.counters()["nonfinite_gradient_steps"] == 1
+        assert int(opt.iterations) == 3
+        weights.append(numpy(model.weights))
+    assert_bit_identical(weights[0], weights[1], "weights")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's two traces")
+def test_a_first_fit_traces_the_transaction_once(monkeypatch):
+    x, y = _data(64)
+    model = _model()
+    opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2))
+    model.compile(opt, LOSS)
+    traced = _traced_steps(monkeypatch)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert len(traced) == 1  # Keras traces its step twice: the first builds
+    assert int(opt.iterations) == 8 and opt.counters()["skipped_steps"] == 0
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch.compile (jit_compile=True)")
 @pytest.mark.parametrize("guarded", [False, True])
 def test_torch_compiled_fit_compiles_as_often_as_plain_keras(guarded):
