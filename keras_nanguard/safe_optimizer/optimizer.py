@@ -453,16 +453,12 @@ class SafeOptimizer(keras.optimizers.Optimizer):
                 f"len(trainable_variables)={len(variables)}"
             )
         self._model_transaction.step_begins(variables)
-        if (
-            building
-            and backend.discarded_if_building()
-            and not self._model_transaction.attached
-            and self._quarantined_batch is None
-        ):
+        if building and backend.discarded_if_building():
             # TensorFlow traces a step that makes variables twice and runs
             # the second trace only: tracing the transaction in the first
             # too made a small model's first `fit` 1.5x as long
             # (benchmarks/bench_first_fit.py).
+            self._quarantined_batch = None
             return
         self._step.apply(grads, variables)
         batch, self._quarantined_batch = self._quarantined_batch, None

@@ -7,7 +7,7 @@ Each run trains once per session (`_run`); the per-run tests and the
 corpus-wide figures read the same runs.
 
 The whole corpus trains on JAX; TensorFlow and torch train one run of each
-cause and four healthy ones (`EVERY_BACKEND`), which read each signal the
+cause and five healthy ones (`EVERY_BACKEND`), which read each signal the
 causes are named from on their own steps: the rules are host code, the same
 on every backend, and the whole corpus took ~50 s per backend (issue 53).
 The other runs' tests are skipped there, with the same IDs."""

@@ -297,15 +297,30 @@ def test_a_tf_function_step_traces_the_transaction_once(monkeypatch, built):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's two traces")
-def test_a_first_fit_traces_the_transaction_once(monkeypatch):
+@pytest.mark.parametrize(
+    "attach", [None, False, True], ids=["compiled", "attached", "quarantine"]
+)
+def test_a_first_fit_traces_the_transaction_once(monkeypatch, attach):
+    """Keras traces its step twice, the first building the optimizer: the
+    transaction is traced in the second only, and the first step, a
+    poisoned batch, is the transaction's all the same."""
     x, y = _data(64)
+    x = ng.faults.poison(x, rows=[0])  # a bad row in the first batch
     model = _model()
     opt = ng.SafeOptimizer(keras.optimizers.Adam(1e-2))
     model.compile(opt, LOSS)
+    if attach is not None:
+        opt.attach(model, quarantine=attach)
     traced = _traced_steps(monkeypatch)
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    assert len(traced) == 1  # Keras traces its step twice: the first builds
-    assert int(opt.iterations) == 8 and opt.counters()["skipped_steps"] == 0
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    assert len(traced) == 1
+    counters = opt.counters()
+    if attach:  # the row left out of each epoch's first step
+        assert (int(opt.iterations), counters["skipped_steps"]) == (8, 0)
+        assert int(opt.quarantined_samples) == 2
+    else:
+        assert (int(opt.iterations), counters["skipped_steps"]) == (6, 2)
+    assert all_finite(model.weights)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch.compile (jit_compile=True)")
