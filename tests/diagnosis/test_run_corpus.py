@@ -40,17 +40,16 @@ _ELSEWHERE = pytest.mark.skipif(
 )
 
 
-def _names(cause_is):
-    """The runs whose cause passes `cause_is`, those not in `EVERY_BACKEND`
-    skipped off `WHOLE_CORPUS_ON`."""
+def _here(names):
+    """`names` as parameters, those not in `EVERY_BACKEND` skipped off
+    `WHOLE_CORPUS_ON`."""
     return [
-        pytest.param(n, marks=() if n in EVERY_BACKEND else _ELSEWHERE)
-        for n, r in corpus.RUNS.items()
-        if cause_is(r.cause)
+        pytest.param(n, marks=() if n in EVERY_BACKEND else _ELSEWHERE) for n in names
     ]
 
 
 DIVERGING = [n for n, r in corpus.RUNS.items() if r.cause not in ("healthy", "stalled")]
+STALLED = [n for n, r in corpus.RUNS.items() if r.cause == "stalled"]
 HEALTHY = [n for n, r in corpus.RUNS.items() if r.cause == "healthy"]
 _RUNS: dict = {}
 
@@ -85,7 +84,7 @@ def test_the_corpus_covers_every_cause():
     assert {corpus.RUNS[n].cause for n in EVERY_BACKEND} == causes
 
 
-@pytest.mark.parametrize("name", _names(lambda c: c not in ("healthy", "stalled")))
+@pytest.mark.parametrize("name", _here(DIVERGING))
 def test_a_diverging_run_is_explained_by_its_cause(name):
     found, _ = _result(name)
     assert found.first_bad_step is not None, f"{name} did not diverge"
@@ -95,7 +94,7 @@ def test_a_diverging_run_is_explained_by_its_cause(name):
     assert found.evidence and found.hints
 
 
-@pytest.mark.parametrize("name", _names(lambda c: c == "stalled"))
+@pytest.mark.parametrize("name", _here(STALLED))
 def test_a_stalled_run_is_said_stalled_and_warned_as_a_stall(name):
     found, warned = _result(name)
     assert (found.cause, found.first_bad_step) == ("stalled", None), str(found)
@@ -115,7 +114,7 @@ def test_a_confident_classifier_trained_to_100_percent_is_healthy():
     assert [i.kind for i in guard.incidents] == []
 
 
-@pytest.mark.parametrize("name", _names(lambda c: c == "healthy"))
+@pytest.mark.parametrize("name", _here(HEALTHY))
 def test_a_healthy_run_is_healthy_and_never_warned(name):
     found, warned = _result(name)
     assert (found.cause, found.first_bad_step, warned) == ("healthy", None, None)
