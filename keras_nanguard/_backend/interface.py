@@ -144,10 +144,12 @@ class Backend(Protocol):
         `tf.function`): the optimizer's build is all that trace needs."""
         ...
 
-    def index_table(
-        self, values: tuple[int, ...], like: keras.Variable, cache: dict
+    def constant_table(
+        self, values: np.ndarray, like: keras.Variable, cache: dict
     ) -> Any:
-        """`values` as an int32 table a step gathers from, on `like`'s device."""
+        """`values` (known on the host) as a constant a step reads, on
+        `like`'s device: a graph constant where steps are traced, a tensor
+        made once (kept in `cache`) where they run eagerly."""
         ...
 
     def rollback_buffers(self, state: list[keras.Variable], cache: dict) -> list | None:

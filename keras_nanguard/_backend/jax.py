@@ -166,8 +166,8 @@ def discarded_if_building() -> bool:
     return False  # traced once: what is traced runs
 
 
-def index_table(values: tuple[int, ...], like: keras.Variable, cache: dict) -> Any:
-    return np.array(values, "int32")
+def constant_table(values: np.ndarray, like: keras.Variable, cache: dict) -> Any:
+    return values
 
 
 def rollback_buffers(state: list[keras.Variable], cache: dict) -> list | None:

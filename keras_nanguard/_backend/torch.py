@@ -188,19 +188,20 @@ def discarded_if_building() -> bool:
     return False  # traced once: what is traced runs
 
 
-def index_table(values: tuple[int, ...], like: keras.Variable, cache: dict) -> Any:
+def constant_table(values: np.ndarray, like: keras.Variable, cache: dict) -> Any:
     """A tensor on `like`'s device, made once in eager steps (no host copy
     per step) and a constant of the graph in compiled ones (a NumPy array
     there would break the graph)."""
 
     def make() -> Any:
-        return torch.tensor(values, dtype=torch.int32, device=like.value.device)
+        return torch.tensor(values, device=like.value.device)
 
     if torch.compiler.is_compiling():
         return make()
-    if values not in cache:
-        cache[values] = make()
-    return cache[values]
+    key = (values.dtype.str, values.shape, values.tobytes())
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def rollback_buffers(state: list[keras.Variable], cache: dict) -> list | None:

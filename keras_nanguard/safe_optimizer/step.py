@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_nanguard import _kernels as kernels
@@ -270,11 +271,15 @@ class GuardedStep:
         return ops.where(
             grads_ok,
             ops.take(
-                backend.index_table(plan.state_index, like, self._tables),
+                backend.constant_table(
+                    np.array(plan.state_index, "int32"), like, self._tables
+                ),
                 step_ops.first_false(new_finite),
             ),
             ops.take(
-                backend.index_table(plan.grad_index, like, self._tables),
+                backend.constant_table(
+                    np.array(plan.grad_index, "int32"), like, self._tables
+                ),
                 step_ops.first_false(grad_finite),
             ),
         )
