@@ -3,7 +3,8 @@ actor head and a critic head, one episode per update, returns discounted and
 normalised, the actor's loss `-log(prob) * advantage` and the critic's Huber
 loss; the update in a custom loop, in the form each backend's guide writes
 it: `tf.GradientTape` on TensorFlow, `jax.value_and_grad` with
-`stateless_call` and `stateless_apply` on JAX, `loss.backward()` on PyTorch.
+`stateless_call` and `stateless_apply` on JAX (each episode padded to the
+longest, so that the step compiles once), `loss.backward()` on PyTorch.
 CartPole's physics are written out here (no environment package), and the
 episodes are short (at most 60 steps).
 
@@ -70,19 +71,23 @@ def returns_of(rewards: list[float]) -> np.ndarray:
     return (returns - returns.mean()) / (returns.std() + EPS)
 
 
-def episode_loss(model_outputs, actions, returns):
+def episode_loss(model_outputs, actions, returns, mask=None):
     """The example's loss over one episode, from the model's outputs on its
-    states."""
+    states (with `mask`, 1 per step of the episode and 0 per step of padding:
+    the padding's terms left out)."""
     probs, values = model_outputs
     actions, returns = ops.convert_to_tensor(actions), ops.convert_to_tensor(returns)
     values = ops.squeeze(values, -1)
     chosen = ops.take_along_axis(probs, ops.expand_dims(actions, -1), axis=-1)[:, 0]
     advantage = returns - ops.stop_gradient(values)
-    actor_loss = -ops.sum(ops.log(chosen) * advantage)
-    critic_loss = ops.sum(
-        keras.losses.Huber(reduction="none")(returns[:, None], values[:, None])
+    actor_terms = ops.log(chosen) * advantage
+    critic_terms = keras.losses.Huber(reduction="none")(
+        returns[:, None], values[:, None]
     )
-    return actor_loss + critic_loss
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask)
+        actor_terms, critic_terms = actor_terms * mask, critic_terms * mask
+    return -ops.sum(actor_terms) + ops.sum(critic_terms)
 
 
 def _episode(env, act) -> tuple[np.ndarray, np.ndarray, list[float]]:
@@ -154,17 +159,17 @@ def _tf_step(model, opt):
 def _jax_step(model, opt):
     import jax
 
-    def loss_fn(trainable, non_trainable, states, actions, returns):
+    def loss_fn(trainable, non_trainable, states, actions, returns, mask):
         outputs, non_trainable = model.stateless_call(trainable, non_trainable, states)
-        return episode_loss(outputs, actions, returns), non_trainable
+        return episode_loss(outputs, actions, returns, mask), non_trainable
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     @jax.jit
-    def jitted(state, states, actions, returns):
+    def jitted(state, states, actions, returns, mask):
         trainable, non_trainable, optimizer_variables = state
         (_, non_trainable), grads = grad_fn(
-            trainable, non_trainable, states, actions, returns
+            trainable, non_trainable, states, actions, returns, mask
         )
         trainable, optimizer_variables = opt.stateless_apply(
             optimizer_variables, grads, trainable
@@ -172,9 +177,15 @@ def _jax_step(model, opt):
         return trainable, non_trainable, optimizer_variables
 
     def step(states, actions, returns):
+        # Each episode padded to MAX_STEPS, the padding masked out of the
+        # loss: one compiled step, not one per episode length.
+        pad = MAX_STEPS - len(states)
+        mask = np.concatenate([np.ones(len(states)), np.zeros(pad)]).astype("float32")
+        states = np.pad(states, ((0, pad), (0, 0)))
+        actions, returns = np.pad(actions, (0, pad)), np.pad(returns, (0, pad))
         held = (model.trainable_variables, model.non_trainable_variables, opt.variables)
         state = tuple([v.value for v in variables] for variables in held)
-        new = jitted(state, states, actions, returns)
+        new = jitted(state, states, actions, returns, mask)
         for variables, values in zip(held, new):
             for v, value in zip(variables, values):
                 v.assign(value)
