@@ -57,13 +57,15 @@ from keras_nanguard.demo import mlp  # noqa: E402
 # The lengths of the notebooks' runs. A reader's run uses these; the tests
 # pass shorter ones in (NANGUARD_TUTORIAL_SETTINGS, JSON, read at import)
 # and assert the notebooks' claims on that run.
-SETTINGS: dict[str, int] = {
+SETTINGS: dict[str, Any] = {
     "sweep_steps_gpt": 600,  # each run of 05_learning_rate's sweep, per task
     "sweep_steps_digits": 600,
+    "sweep_rates_gpt": [1e-2, 1e-1, 1.0],  # the sweep's peak rates, per task
+    "sweep_rates_digits": [1e-2, 1e-1, 1.0],
 }
 
 
-def _settings(given: str) -> dict[str, int]:
+def _settings(given: str) -> dict[str, Any]:
     chosen = json.loads(given)
     unknown = sorted(set(chosen) - set(SETTINGS))
     if unknown:
@@ -71,7 +73,13 @@ def _settings(given: str) -> dict[str, int]:
             f"NANGUARD_TUTORIAL_SETTINGS: names must be among {sorted(SETTINGS)}. "
             f"Received: {unknown}"
         )
-    return {**SETTINGS, **{k: int(v) for k, v in chosen.items()}}
+
+    def like_default(name: str, value: Any) -> Any:
+        if isinstance(SETTINGS[name], list):
+            return [float(v) for v in value]
+        return int(value)
+
+    return {**SETTINGS, **{k: like_default(k, v) for k, v in chosen.items()}}
 
 
 SETTINGS = _settings(os.environ.get("NANGUARD_TUTORIAL_SETTINGS", "{}"))
@@ -527,16 +535,14 @@ def train_image_policy(
 
 
 def learning_rate_sweep(
-    tasks: str = "gpt,digits",
-    arms: str = "clipnorm,zclip,adaptive",
-    rates: tuple[float, ...] = (1e-2, 1e-1, 1.0),
-    seeds: str = "0",
+    tasks: str = "gpt,digits", arms: str = "clipnorm,zclip,adaptive", seeds: str = "0"
 ) -> dict:
     """A reduced run of `benchmarks/bench_stable_lr.py` (the repository's
     learning-rate sweep), in this process, with the benchmark's own JAX
-    loop: its summary per task and arm, with the rates, as the benchmark's
-    `--json` writes them. Each run is `SETTINGS["sweep_steps_<task>"]` steps
-    long."""
+    loop: per task its peak rates (`rates`) and its summary per arm
+    (`arms`), as the benchmark's `--json` writes it. Each task's runs are
+    `SETTINGS["sweep_steps_<task>"]` steps long, at the peak rates
+    `SETTINGS["sweep_rates_<task>"]`."""
     if keras.backend.backend() != "jax":
         raise RuntimeError(
             "The learning-rate sweep trains with the benchmark's JAX loop: "
@@ -549,16 +555,16 @@ def learning_rate_sweep(
         sys.path.insert(0, benchmarks)
     import bench_stable_lr as bench
 
-    rate_list = [float(r) for r in rates]
     summary = {}
     for task in tasks.split(","):
+        rates = SETTINGS[f"sweep_rates_{task}"]
         found = bench.sweep(
             [task],
             arms.split(","),
-            rate_list,
+            rates,
             [int(s) for s in seeds.split(",")],
             SETTINGS[f"sweep_steps_{task}"],
             lambda line: None,
         )
-        summary[task] = bench.summarize(found[task], rate_list)
-    return {"rates": rate_list, **summary}
+        summary[task] = {"rates": rates, "arms": bench.summarize(found[task], rates)}
+    return summary
