@@ -9,6 +9,7 @@ import pytest
 
 import keras_nanguard as ng
 from tests.helpers import (
+    BACKEND,
     FIXTURES,
     FLIGHT_NAMES,
     all_finite,
@@ -159,6 +160,15 @@ def test_weight_norm_dense_round_trip(tmp_path):
     )
 
 
+def _eager_on_torch(model):
+    """The fixtures' compile config holds `jit_compile=True` (made on JAX):
+    on torch a `torch.compile` of the step, 25 s of Dynamo per test here.
+    These tests are about the file's layout; `test_fit.py` trains compiled
+    torch steps (`jit_compile=True`) and counts their compiles."""
+    if BACKEND == "torch":
+        model.jit_compile = False
+
+
 # ---------------------------------------- the 0.1 layout still loads
 def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     """A file saved by 0.1.0 (tests/fixtures/make_0_1_fixture.py): its
@@ -216,6 +226,7 @@ def test_a_keras_file_of_version_0_1_loads_and_trains_on():
     y = rng.standard_normal((64, 1)).astype("float32")
     x[20] = np.nan
     opt.attach(model)  # (0.1 had no `attach`): BatchNormalization's statistics
+    _eager_on_torch(model)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     c = opt.counters()
     assert (c["skipped_steps"], c["nonfinite_gradient_steps"], int(opt.iterations)) == (
@@ -282,6 +293,7 @@ def test_a_keras_file_of_version_0_2_loads_and_trains_on():
     y = rng.standard_normal((64, 1)).astype("float32")
     x[20] = np.nan
     opt.attach(model)  # as before saving: BatchNormalization's statistics too
+    _eager_on_torch(model)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     c = opt.counters()
     assert (
