@@ -30,7 +30,9 @@ waited minutes for it. The jobs start longest first (`_jobs`).
 
 `--fast`: a quick local run, not the whole check: pytest with
 `-m "not slow and not notebooks"` (no long scenarios, no notebook
-execution), on TensorFlow only unless `--backends` is given; a `-m` among
+execution, no torch.compile), on torch only unless `--backends` is given
+(its eager steps build nothing: the same tests took ~10 minutes on
+TensorFlow, which traces each new step, on a 2-core VM); a `-m` among
 the pytest args replaces that selection. CI (`.ci/run`) runs everything:
 plain `python -m tests`.
 """
@@ -49,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 BACKENDS = ("tensorflow", "jax", "torch")
 BACKEND_FREE_ON = ("jax", "torch", "tensorflow")  # the first one present
 FAST_MARKERS = "not slow and not notebooks"
+FAST_BACKEND = "torch"  # `--fast`'s, unless --backends is given
 
 
 def _split_notebooks(backends: list[str], pytest_args: list[str]) -> bool:
@@ -127,11 +130,11 @@ def _arguments() -> tuple[argparse.Namespace, list[str], list[str]]:
     parser.add_argument(
         "--fast",
         action="store_true",
-        help=f'-m "{FAST_MARKERS}", on TensorFlow unless --backends is given',
+        help=f'-m "{FAST_MARKERS}", on torch unless --backends is given',
     )
     args, pytest_args = parser.parse_known_args()
     if args.backends is None:
-        args.backends = "tensorflow" if args.fast else ",".join(BACKENDS)
+        args.backends = FAST_BACKEND if args.fast else ",".join(BACKENDS)
     if args.fast:  # a later -m of the user's wins
         pytest_args = ["-m", FAST_MARKERS, *pytest_args]
     backends = [b for b in args.backends.split(",") if b]

@@ -48,7 +48,18 @@ if BACKEND == "torch":  # Keras allows only steps_per_execution=1 there.
     del FIT_MODES["steps_per_execution"]
 
 
-@pytest.mark.parametrize("mode", sorted(FIT_MODES))
+# torch.compile (jit_compile=True on torch): ~25 s of Dynamo per test, left
+# out of `python -m tests --fast`.
+TORCH_COMPILE = pytest.mark.slow if BACKEND == "torch" else ()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(m, marks=TORCH_COMPILE if m == "jit_compile" else ())
+        for m in sorted(FIT_MODES)
+    ],
+)
 def test_fit_rejects_poisoned_batches_and_matches_clean_training(mode):
     x, y = _data()
     bad = [2, 5]
@@ -324,6 +335,7 @@ def test_a_first_fit_traces_the_transaction_once(monkeypatch, attach):
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch.compile (jit_compile=True)")
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("guarded", [False, True])
 def test_torch_compiled_fit_compiles_as_often_as_plain_keras(guarded):
     # A Python int the step reads and changes, or a NumPy constant, made

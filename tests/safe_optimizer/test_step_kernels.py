@@ -136,6 +136,7 @@ def _dynamo(optimizer, callbacks=()) -> tuple[int, list[str]]:
 
 
 @torch_only
+@pytest.mark.slow  # torch.compile: ~30 s of Dynamo
 def test_a_compiled_torch_step_breaks_only_where_keras_s_does():
     # Keras's torch step breaks its graph once, at `loss.backward()`. A host
     # read (`.item()`, a Python branch on a tensor) would break it again
