@@ -64,8 +64,9 @@ def _split_notebooks(backends: list[str], pytest_args: list[str]) -> bool:
 
 def _jobs(backends: list[str], pytest_args: list[str]) -> list[tuple[str, str, list]]:
     """(name, backend, pytest args) per pytest process, in the order they
-    start: the longest first (`.ci/run` on a 2-core VM, 2026-12-07: TensorFlow
-    without the notebooks 845 s, JAX 662 s, the notebooks 370 s, torch 317 s)."""
+    start: the longest first (`.ci/run` on a 2-core VM, 2026-12-07, b54f111:
+    TensorFlow without the notebooks 797 s, JAX 709 s, the notebooks 331 s,
+    torch 266 s)."""
     if not _split_notebooks(backends, pytest_args):
         return [(b, b, pytest_args) for b in backends]
     tensorflow = ("tensorflow", "tensorflow", ["-m", "not notebooks", *pytest_args])
