@@ -80,12 +80,17 @@ def episode_loss(model_outputs, actions, returns, mask=None):
     values = ops.squeeze(values, -1)
     chosen = ops.take_along_axis(probs, ops.expand_dims(actions, -1), axis=-1)[:, 0]
     advantage = returns - ops.stop_gradient(values)
+    if mask is not None:
+        # A padded step's probability taken as 1 before the log, so that
+        # its term and its gradient are exactly 0 (masking after the log
+        # alone: 0 times the gradient of log(0), inf, is NaN).
+        mask = ops.convert_to_tensor(mask)
+        chosen = ops.where(mask > 0, chosen, 1.0)
     actor_terms = ops.log(chosen) * advantage
     critic_terms = keras.losses.Huber(reduction="none")(
         returns[:, None], values[:, None]
     )
     if mask is not None:
-        mask = ops.convert_to_tensor(mask)
         actor_terms, critic_terms = actor_terms * mask, critic_terms * mask
     return -ops.sum(actor_terms) + ops.sum(critic_terms)
 
