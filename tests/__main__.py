@@ -30,9 +30,10 @@ waited minutes for it. The jobs start longest first (`_jobs`).
 
 `--fast`: a quick local run, not the whole check: pytest with
 `-m "not slow and not notebooks"` (no long scenarios, no notebook
-execution, no torch.compile), on torch only unless `--backends` is given
-(its eager steps build nothing: the same tests took ~10 minutes on
-TensorFlow, which traces each new step, on a 2-core VM); a `-m` among
+execution, no torch.compile), on one backend unless `--backends` is given:
+torch where it is installed (its eager steps build nothing: the same tests
+took ~10 minutes on TensorFlow, which traces each new step, on a 2-core
+VM), else JAX, else TensorFlow; a `-m` among
 the pytest args replaces that selection. CI (`.ci/run`) runs everything:
 plain `python -m tests`.
 """
@@ -51,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 BACKENDS = ("tensorflow", "jax", "torch")
 BACKEND_FREE_ON = ("jax", "torch", "tensorflow")  # the first one present
 FAST_MARKERS = "not slow and not notebooks"
-FAST_BACKEND = "torch"  # `--fast`'s, unless --backends is given
+FAST_BACKENDS = ("torch", "jax", "tensorflow")  # `--fast` takes the first installed
 
 
 def _split_notebooks(backends: list[str], pytest_args: list[str]) -> bool:
@@ -74,6 +75,15 @@ def _jobs(backends: list[str], pytest_args: list[str]) -> list[tuple[str, str, l
     jax = [("jax", "jax", pytest_args)] if "jax" in backends else []
     torch = [("torch", "torch", pytest_args)] if "torch" in backends else []
     return [tensorflow, *jax, notebooks, *torch]
+
+
+def _fast_backend() -> str:
+    """`--fast`'s backend: the first of FAST_BACKENDS installed (torch's
+    eager steps cost the least to build)."""
+    import importlib.util
+
+    found = [b for b in FAST_BACKENDS if importlib.util.find_spec(b) is not None]
+    return found[0] if found else FAST_BACKENDS[0]
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -131,11 +141,11 @@ def _arguments() -> tuple[argparse.Namespace, list[str], list[str]]:
     parser.add_argument(
         "--fast",
         action="store_true",
-        help=f'-m "{FAST_MARKERS}", on torch unless --backends is given',
+        help=f'-m "{FAST_MARKERS}", on torch (if installed) unless --backends',
     )
     args, pytest_args = parser.parse_known_args()
     if args.backends is None:
-        args.backends = FAST_BACKEND if args.fast else ",".join(BACKENDS)
+        args.backends = _fast_backend() if args.fast else ",".join(BACKENDS)
     if args.fast:  # a later -m of the user's wins
         pytest_args = ["-m", FAST_MARKERS, *pytest_args]
     backends = [b for b in args.backends.split(",") if b]

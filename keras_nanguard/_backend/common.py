@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import keras
@@ -155,6 +155,15 @@ def assign_block(variable: Any, row: Any, col: int, values: Any) -> None:
     cols = ops.arange(col, col + k, dtype="int32")
     at = ops.stack([zeros + ops.cast(row, "int32"), cols], axis=1)
     variable.assign(ops.scatter_update(variable.value, at, values))
+
+
+def host_constant(
+    key: Hashable, values: Callable[[], np.ndarray], like: Any, cache: dict
+) -> np.ndarray:
+    """`constant_table` where a NumPy array is a constant of the trace."""
+    if key not in cache:
+        cache[key] = values()
+    return cache[key]
 
 
 def record_rows(record: Callable[[Any, Any], None], codes: Any, over: Any) -> None:

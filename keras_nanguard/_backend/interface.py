@@ -5,7 +5,7 @@ functions. Values are the backend's own tensors (a `keras.Variable`'s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import keras
@@ -145,11 +145,17 @@ class Backend(Protocol):
         ...
 
     def constant_table(
-        self, values: np.ndarray, like: keras.Variable, cache: dict
+        self,
+        key: Hashable,
+        values: Callable[[], np.ndarray],
+        like: keras.Variable,
+        cache: dict,
     ) -> Any:
-        """`values` (known on the host) as a constant a step reads, on
-        `like`'s device: a graph constant where steps are traced, a tensor
-        made once (kept in `cache`) where they run eagerly."""
+        """The array `values()` (known on the host, named by the small
+        `key`) as a constant a step reads, on `like`'s device: made once per
+        `key` and kept in `cache` (TensorFlow and JAX: the NumPy array, a
+        constant of each trace; torch: a tensor on the device, made in the
+        graph under torch.compile)."""
         ...
 
     def rollback_buffers(self, state: list[keras.Variable], cache: dict) -> list | None:

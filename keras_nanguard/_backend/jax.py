@@ -25,6 +25,7 @@ REUSES_DEVICE_BUFFERS = False
 
 frozen = common.no_frozen
 restore_unless = common.restore_by_assign
+constant_table = common.host_constant
 run_step = common.plain_step
 record_rows = common.record_rows
 in_replica = common.in_replica
@@ -164,10 +165,6 @@ def executing_eagerly(probe: keras.Variable) -> bool:
 
 def discarded_if_building() -> bool:
     return False  # traced once: what is traced runs
-
-
-def constant_table(values: np.ndarray, like: keras.Variable, cache: dict) -> Any:
-    return values
 
 
 def rollback_buffers(state: list[keras.Variable], cache: dict) -> list | None:

@@ -24,6 +24,7 @@ REUSES_DEVICE_BUFFERS = False
 
 frozen = common.no_frozen
 restore_unless = common.restore_by_assign
+constant_table = common.host_constant
 update_sums = common.update_sums
 
 
@@ -95,10 +96,6 @@ def discarded_if_building() -> bool:
     # and only that second trace runs (once the variables are initialised
     # from their initial values: those of an optimizer's build are constants).
     return tf.inside_function()
-
-
-def constant_table(values: np.ndarray, like: keras.Variable, cache: dict) -> Any:
-    return values
 
 
 def rollback_buffers(state: list[keras.Variable], cache: dict) -> list | None:

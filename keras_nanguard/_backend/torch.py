@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import keras
@@ -188,17 +188,19 @@ def discarded_if_building() -> bool:
     return False  # traced once: what is traced runs
 
 
-def constant_table(values: np.ndarray, like: keras.Variable, cache: dict) -> Any:
-    """A tensor on `like`'s device, made once in eager steps (no host copy
-    per step) and a constant of the graph in compiled ones (a NumPy array
-    there would break the graph)."""
+def constant_table(
+    key: Hashable, values: Callable[[], np.ndarray], like: keras.Variable, cache: dict
+) -> Any:
+    """A tensor on `like`'s device, made once per `key` in eager steps (no
+    host work or copy per step), and made in the graph in compiled ones (a
+    NumPy array there would break the graph; Dynamo traces the NumPy that
+    makes it)."""
 
     def make() -> Any:
-        return torch.tensor(values, device=like.value.device)
+        return torch.tensor(values(), device=like.value.device)
 
     if torch.compiler.is_compiling():
         return make()
-    key = (values.dtype.str, values.shape, values.tobytes())
     if key not in cache:
         cache[key] = make()
     return cache[key]

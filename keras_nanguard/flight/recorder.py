@@ -349,13 +349,18 @@ class FlightRecorder:
 
     def _per_layer(self, sq: Any, variables: Sequence[keras.Variable], n: int) -> Any:
         """Sums per layer of one value per variable (float32, length n)."""
-        ids = [self._layer_index.get(id(v), 0) for v in variables]
+        ids = tuple(self._layer_index.get(id(v), 0) for v in variables)
         if not ids or not n:
             return ops.zeros((n,), "float32")
-        # A matmul with a one-hot constant: no scatter (torch's reads its
-        # indices back), and one op where steps are traced, not twenty.
-        onehot = np.eye(n, dtype="float32")[ids]
-        table = backend.constant_table(onehot, self.steps, self._tables)
+        # A matmul with a one-hot constant (variables x layers): no scatter
+        # (torch's reads its indices back), and one op where steps are
+        # traced, not twenty.
+        table = backend.constant_table(
+            ("one_hot", ids, n),
+            lambda: np.eye(n, dtype="float32")[list(ids)],
+            self.steps,
+            self._tables,
+        )
         return ops.matmul(ops.cast(sq, "float32")[None, :], table)[0]
 
     def _probe(

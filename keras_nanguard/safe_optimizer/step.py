@@ -272,13 +272,19 @@ class GuardedStep:
             grads_ok,
             ops.take(
                 backend.constant_table(
-                    np.array(plan.state_index, "int32"), like, self._tables
+                    ("state_index", plan.state_index),
+                    lambda: np.array(plan.state_index, "int32"),
+                    like,
+                    self._tables,
                 ),
                 step_ops.first_false(new_finite),
             ),
             ops.take(
                 backend.constant_table(
-                    np.array(plan.grad_index, "int32"), like, self._tables
+                    ("grad_index", plan.grad_index),
+                    lambda: np.array(plan.grad_index, "int32"),
+                    like,
+                    self._tables,
                 ),
                 step_ops.first_false(grad_finite),
             ),
